@@ -1,0 +1,1 @@
+"""Sequence-mixing and numeric kernels: each a plain reference beside its fast path."""

@@ -1,0 +1,261 @@
+"""Chunkwise-parallel KDA in pure PyTorch: prefill and training (SPEC §2.1).
+
+Inside a chunk of C tokens, with G_t = Σ_{s≤t} g_s the cumulative log-decay (per key channel) and
+Γ_t = exp(G_t), unrolling the recurrence from the chunk's start state S₀ gives
+
+    u      = (I + A)⁻¹ · β ⊙ (v − (k ⊙ Γ) S₀)            the delta-rule "new information" per token
+    A_ts   = β_t Σ_c k_tc k_sc e^{G_tc − G_sc}            s < t   (strictly lower)
+    o      = (q ⊙ Γ) S₀ + P u,   P_ts = Σ_c q_tc k_sc e^{G_tc − G_sc}   s ≤ t
+    S_C    = Γ_C ⊙ S₀ + (k ⊙ e^{G_C − G})ᵀ u
+
+Splitting u = U − W S₀ with U = (I + A)⁻¹ β v and W = (I + A)⁻¹ β k Γ (the WY/UT form) leaves only
+two small matmuls per chunk in the sequential part; everything else runs for all chunks at once.
+
+The per-channel factors e^{G_tc − G_sc} are computed as dense matmuls by splitting each chunk into
+row blocks of 16 tokens and pivoting every row block at its first token r: e^{G_t − r} · e^{r − G_s}.
+For s before the block both factors are ≤ 1, so they never overflow; inside the block the second
+factor is at most e^{15·|g|max}, which the bounded gate (g ≥ −5) keeps below e^75, inside fp32.
+Unbounded gates that exceed this are detected and the diagonal blocks recomputed exactly.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from k3.ops.kda.backend import fla_kda, resolve
+from k3.ops.kda.inputs import KDAFlags, check_inputs, prepare, seq_bounds
+
+SUB = 32  # row-block length of the pivoted factorisation; the pivot sits in its middle
+SAFE_EXP = 80.0  # largest exponent a pivoted factor may carry: e^80 ≈ 5.5e34 < fp32 max 3.4e38
+# Chunks are processed in groups whose tensors stay near this many elements: large CPU temporaries
+# cost far more per element (fresh pages, cache misses) than ones that stay in cache.
+GROUP_ELEMENTS = 1 << 18
+
+
+def _chunked(x: torch.Tensor, C: int) -> torch.Tensor:
+    """(B, n·C, H, D) -> (B·H, n, C, D), contiguous for batched matmuls."""
+    B, T, H = x.shape[:3]
+    return x.reshape(B, T // C, C, H, -1).permute(0, 3, 1, 2, 4).reshape(B * H, T // C, C, -1)
+
+
+def _unchunked(x: torch.Tensor, B: int) -> torch.Tensor:
+    """(B·H, n, C, D) -> (B, n·C, H, D)."""
+    BH, N, C, D = x.shape
+    return x.reshape(B, BH // B, N * C, D).transpose(1, 2)
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """exp with arguments floored at −87: CPU exp is ~20× slower on results that underflow fp32,
+    and every factor that can be floored here multiplies one ≤ 1, so the floor (1.6e-38) is noise."""
+    return torch.exp(x.clamp(min=-87.0))
+
+
+def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decayed inner products inside each chunk: Aqk_ts = Σ_c q_tc k_sc e^{G_tc − G_sc} (s ≤ t) and
+    Akk_ts the same with k_t for q_t (s < t).
+
+    q, k, G: (BH, n, C, K), q already scaled, G the in-chunk cumulative log-decay.
+    returns  Akk, Aqk: (BH, n, C, C).
+
+    Rows are split into blocks of SUB tokens. A block's own columns are pivoted at its middle token,
+    where each factor stays within e^{SAFE_EXP} while the gate is bounded (checked; exact otherwise);
+    earlier columns are pivoted at the block's first token, where both factors are ≤ 1.
+    """
+    BH, n, C, K = k.shape
+    sub = min(SUB, C)
+    nb, mid = C // sub, sub // 2
+    qb, kb, Gb = (x.view(BH, n, nb, sub, K) for x in (q, k, G))
+    pivot = Gb[:, :, :, mid : mid + 1]  # (BH, n, nb, 1, K)
+    spread = torch.maximum(Gb[:, :, :, :1] - pivot, pivot - Gb[:, :, :, -1:])
+    if spread.numel() and spread.max() > SAFE_EXP:
+        return _intra_chunk_exact(q, k, G)
+    row = torch.exp(Gb - pivot)
+    q_row, k_row = qb * row, kb * row
+    col = (kb * torch.exp(pivot - Gb)).transpose(-1, -2)
+    Aqk = q.new_zeros(BH, n, nb, sub, nb, sub)
+    Akk = q.new_zeros(BH, n, nb, sub, nb, sub)
+    Aqk.diagonal(dim1=2, dim2=4).copy_((q_row @ col).movedim(2, -1))
+    Akk.diagonal(dim1=2, dim2=4).copy_((k_row @ col).movedim(2, -1))
+    for i in range(1, nb):
+        # Re-pivot row block i from its middle to its first token: a factor in [e^-SAFE_EXP, 1].
+        to_first = torch.exp(pivot[:, :, i] - Gb[:, :, i, :1])  # (BH, n, 1, K)
+        start = G[:, :, i * sub : i * sub + 1]
+        col = (k[:, :, : i * sub] * _exp(start - G[:, :, : i * sub])).transpose(-1, -2)
+        Aqk[:, :, i, :, :i] = ((q_row[:, :, i] * to_first) @ col).view(BH, n, sub, i, sub)
+        Akk[:, :, i, :, :i] = ((k_row[:, :, i] * to_first) @ col).view(BH, n, sub, i, sub)
+    return _masked(Akk.view(BH, n, C, C), Aqk.view(BH, n, C, C))
+
+
+def _masked(Akk: torch.Tensor, Aqk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep Akk strictly below the diagonal and Aqk on and below it. masked_fill, not a multiply, so a
+    product that overflowed above the diagonal never meets a zero."""
+    on_or_above = torch.ones(Akk.shape[-1], Akk.shape[-1], dtype=torch.bool, device=Akk.device).triu()
+    return Akk.masked_fill(on_or_above, 0), Aqk.masked_fill(on_or_above.triu(1), 0)
+
+
+def _intra_chunk_exact(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same result as the pivoted form with the per-channel factor materialised, one chunk at a time
+    to bound memory. Reached only by unbounded gates steeper than SAFE_EXP over half a row block."""
+    Akk, Aqk = [], []
+    for j in range(k.shape[1]):
+        Gj = G[:, j]
+        D = _exp((Gj.unsqueeze(2) - Gj.unsqueeze(1)).clamp(max=0))  # (BH, t, s, K)
+        Akk.append(torch.einsum("btc,bsc,btsc->bts", k[:, j], k[:, j], D))
+        Aqk.append(torch.einsum("btc,bsc,btsc->bts", q[:, j], k[:, j], D))
+    return _masked(torch.stack(Akk, dim=1), torch.stack(Aqk, dim=1))
+
+
+def chunk_kda_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    chunk_size: int,
+    seq_chunks: list[tuple[int, int]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked algorithm on prepared inputs (heads already expanded, flags applied).
+
+    q, k, g: (B, T, H, K); v: (B, T, H, V); beta: (B, T, H); all in the compute dtype (fp32 or
+    fp64). T need not be a multiple of chunk_size: the last chunk is zero-padded, which leaves the
+    state untouched (g = 0, β = 0). initial_state: (N, H, K, V) or None.
+    seq_chunks: for packed sequences (B == 1, laid out chunk-aligned by the caller), each sequence's
+    [first, last) chunk; the state restarts from that sequence's initial state at its first chunk.
+    None means one sequence per batch row.
+    Returns o (B, T, H, V) and the final states (N, H, K, V).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    NC = -(-T // C)
+    # Each sequence starts from its own initial state (or zeros) at its first chunk.
+    if seq_chunks is None:
+        seq_chunks = [(0, NC)]
+        h0 = [None if initial_state is None else initial_state.reshape(B * H, K, V)]
+    else:
+        h0 = [None if initial_state is None else initial_state[i] for i in range(len(seq_chunks))]
+    first = {c0: i for i, (c0, c1) in enumerate(seq_chunks) if c1 > c0}
+    last = {c1 - 1: i for i, (c0, c1) in enumerate(seq_chunks) if c1 > c0}
+
+    zeros = q.new_zeros(B * H, K, V)
+    S, finals, outs = zeros, list(h0), []
+    group = max(1, GROUP_ELEMENTS // (B * H * C * max(K, V)))
+    for c0 in range(0, NC, group):
+        c1 = min(NC, c0 + group)
+        t0, t1 = c0 * C, min(T, c1 * C)
+        pad = (c1 - c0) * C - (t1 - t0)
+        qc, kc, vc, gc, bc = (
+            _chunked(F.pad(x[:, t0:t1], (0, 0) * (x.dim() - 2) + (0, pad)), C) for x in (q, k, v, g, beta.unsqueeze(-1))
+        )
+        qc = qc * scale
+        G = gc.cumsum(2)
+        Akk, Aqk = _intra_chunk(qc, kc, G)
+        decay = _exp(G)
+        # WY/UT form: (I + βA)⁻¹ once per chunk, then U and W by matmuls.
+        eye = torch.eye(C, dtype=q.dtype, device=q.device)
+        Tinv = torch.linalg.solve_triangular(Akk * bc, eye, upper=False, unitriangular=True) * bc.transpose(-1, -2)
+        U = Tinv @ vc  # (BH, n, C, V)
+        W = Tinv @ (kc * decay)  # (BH, n, C, K)
+        q_decay = qc * decay
+        k_to_end = (kc * _exp(G[:, :, -1:] - G)).transpose(-1, -2)  # (BH, n, K, C)
+        decay_end = decay[:, :, -1].unsqueeze(-1)  # (BH, n, K, 1)
+
+        o = []
+        for j in range(c1 - c0):
+            n = c0 + j
+            if n in first:
+                S = zeros if h0[first[n]] is None else h0[first[n]].reshape(B * H, K, V).to(q.dtype)
+            u = torch.baddbmm(U[:, j], W[:, j], S, alpha=-1)  # U − W S
+            o.append(torch.baddbmm(q_decay[:, j] @ S, Aqk[:, j], u))
+            S = torch.baddbmm(decay_end[:, j] * S, k_to_end[:, j], u)
+            if n in last:
+                finals[last[n]] = S
+        o = torch.stack(o, dim=1)
+        outs.append(_unchunked(o, B)[:, : t1 - t0])
+
+    o = torch.cat(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
+    final = torch.cat([(zeros if s is None else s.to(q.dtype)).reshape(-1, H, K, V) for s in finals])
+    return o, final
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise-parallel KDA with fla.ops.kda.chunk_kda's arguments and semantics.
+
+    q, k: (B, T, H, K); v: (B, T, HV, V); g: (B, T, HV, K) log-decay (raw gate input when
+    use_gate_in_kernel); beta: (B, T, HV) (logits when use_beta_sigmoid_in_kernel);
+    initial_state: (N, HV, K, V); cu_seqlens: (N+1,) packed sequence bounds with B == 1.
+    Any T; gradients flow to q, k, v, g, beta, initial_state (and A_log, dt_bias).
+    Returns o (B, T, HV, V) in v's dtype and, if output_final_state, the final states (N, HV, K, V)
+    in fp32 (fp64 for fp64 inputs).
+    """
+    flags = KDAFlags(
+        use_qk_l2norm_in_kernel,
+        use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel,
+        allow_neg_eigval,
+        safe_gate,
+        lower_bound,
+    )
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, flags, A_log, dt_bias)
+    if chunk_size < SUB // 2 or chunk_size % (SUB // 2):
+        raise ValueError(f"chunk_size must be a positive multiple of {SUB // 2}, got {chunk_size}")
+    if resolve(backend, q) == "fla":
+        return fla_kda().chunk_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate,
+            lower_bound=lower_bound,
+            cu_seqlens=cu_seqlens,
+            chunk_size=chunk_size,
+            A_log=A_log,
+            dt_bias=dt_bias,
+        )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q2, k2, v2, g2, b2, h0 = prepare(q, k, v, g, beta, initial_state, flags, A_log, dt_bias)
+    if cu_seqlens is None:
+        o, final = chunk_kda_fwd(q2, k2, v2, g2, b2, scale, h0, chunk_size)
+    else:
+        # Lay the sequences out chunk-aligned (each padded to whole chunks with neutral zeros) so a
+        # chunk never straddles two of them; the state restarts at each sequence's first chunk.
+        C, seq_chunks, dst, start = chunk_size, [], [], 0
+        for s, e in seq_bounds(cu_seqlens):
+            n = -(-(e - s) // C)
+            seq_chunks.append((start, start + n))
+            dst.append(torch.arange(start * C, start * C + e - s, device=q.device))
+            start += n
+        dst = torch.cat(dst)
+        padded = [x.new_zeros(1, start * C, *x.shape[2:]).index_copy(1, dst, x) for x in (q2, k2, v2, g2, b2)]
+        o, final = chunk_kda_fwd(*padded, scale, h0, C, seq_chunks)
+        o = o.index_select(1, dst)
+    return o.to(v.dtype), (final if output_final_state else None)
