@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from kda_inputs import grads_of, make_inputs, random_state, rel_rms
 
 import k3.ops.kda.chunk as chunk_mod
 from k3.ops.kda import chunk_kda, l2norm, naive_recurrent_kda
 from k3.ops.kda.gate import kda_gate
+from kda_inputs import grads_of, make_inputs, random_state, rel_rms
 
 # float64 on both sides: the two algorithms differ only by rounding, ~1e-15 relative. A wrong term in
 # the chunked algebra shows up at 1e-3 or worse, so 1e-10 separates the two with a wide margin.
@@ -166,7 +166,7 @@ def test_steep_unbounded_gate_takes_the_exact_path(monkeypatch):
 
 def test_bf16_inputs_compute_in_fp32():
     q, k, v, g, beta = make_inputs(1, 100, 2, 16, 16, dtype=torch.float32)
-    o32, S32 = chunk_kda(q, k, v, g, beta, output_final_state=True)
+    o32, _ = chunk_kda(q, k, v, g, beta, output_final_state=True)
     o16, S16 = chunk_kda(*(x.bfloat16() for x in (q, k, v, g, beta)), output_final_state=True)
     assert o16.dtype == torch.bfloat16 and S16.dtype == torch.float32
     assert rel_rms(o16.float(), o32) < 2e-2

@@ -57,7 +57,7 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[tor
     returns  Akk, Aqk: (BH, n, C, C).
 
     Rows are split into blocks of SUB tokens. A block's own columns are pivoted at its middle token,
-    where each factor stays within e^{SAFE_EXP} while the gate is bounded (checked; exact otherwise);
+    where each factor stays within e^{SAFE_EXP} while the gate is bounded (see `_pivot_spread`);
     earlier columns are pivoted at the block's first token, where both factors are ≤ 1.
     """
     BH, n, C, K = k.shape
@@ -65,9 +65,6 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[tor
     nb, mid = C // sub, sub // 2
     qb, kb, Gb = (x.view(BH, n, nb, sub, K) for x in (q, k, G))
     pivot = Gb[:, :, :, mid : mid + 1]  # (BH, n, nb, 1, K)
-    spread = torch.maximum(Gb[:, :, :, :1] - pivot, pivot - Gb[:, :, :, -1:])
-    if spread.numel() and spread.max() > SAFE_EXP:
-        return _intra_chunk_exact(q, k, G)
     row = torch.exp(Gb - pivot)
     q_row, k_row = qb * row, kb * row
     col = (kb * torch.exp(pivot - Gb)).transpose(-1, -2)
@@ -92,6 +89,14 @@ def _masked(Akk: torch.Tensor, Aqk: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return Akk.masked_fill(on_or_above, 0), Aqk.masked_fill(on_or_above.triu(1), 0)
 
 
+def _pivot_spread(G: torch.Tensor) -> torch.Tensor:
+    """Largest exponent a pivoted factor of `_intra_chunk` carries: (BH, n, C, K) -> scalar."""
+    sub = min(SUB, G.shape[2])
+    Gb = G.unflatten(2, (-1, sub))
+    pivot = Gb[:, :, :, sub // 2]
+    return torch.maximum(Gb[:, :, :, 0] - pivot, pivot - Gb[:, :, :, -1]).amax()
+
+
 def _intra_chunk_exact(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Same result as the pivoted form with the per-channel factor materialised, one chunk at a time
     to bound memory. Reached only by unbounded gates steeper than SAFE_EXP over half a row block."""
@@ -102,6 +107,28 @@ def _intra_chunk_exact(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tup
         Akk.append(torch.einsum("btc,bsc,btsc->bts", k[:, j], k[:, j], D))
         Aqk.append(torch.einsum("btc,bsc,btsc->bts", q[:, j], k[:, j], D))
     return _masked(torch.stack(Akk, dim=1), torch.stack(Aqk, dim=1))
+
+
+def _chunk_terms(q, k, v, g, beta, scale: float, C: int, exact: bool = False) -> tuple[torch.Tensor, ...]:
+    """Everything the sequential pass needs, for a run of whole chunks, computed for all at once.
+
+    q, k, g: (B, n·C, H, K); v: (B, n·C, H, V); beta: (B, n·C, H).
+    Returns, per (batch·head, chunk): Aqk (C, C); U (C, V); W (C, K); q·Γ (C, K); (k·Γ_C/Γ)ᵀ (K, C);
+    Γ_C (K, 1); and the largest pivot exponent (scalar) so the caller can check the pivoted path.
+    """
+    qc, kc, vc, gc = (_chunked(x, C) for x in (q, k, v, g))
+    bc = _chunked(beta.unsqueeze(-1), C)  # (BH, n, C, 1)
+    qc = qc * scale
+    G = gc.cumsum(2)
+    Akk, Aqk = _intra_chunk_exact(qc, kc, G) if exact else _intra_chunk(qc, kc, G)
+    decay = _exp(G)
+    # WY/UT form: (I + βA)⁻¹ once per chunk, then U = (I + βA)⁻¹ βv and W = (I + βA)⁻¹ βkΓ by matmuls.
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    Tinv = torch.linalg.solve_triangular(Akk * bc, eye, upper=False, unitriangular=True) * bc.transpose(-1, -2)
+    U = Tinv @ vc
+    W = Tinv @ (kc * decay)
+    k_to_end = (kc * _exp(G[:, :, -1:] - G)).transpose(-1, -2)
+    return Aqk, U, W, qc * decay, k_to_end, decay[:, :, -1].unsqueeze(-1), _pivot_spread(G)
 
 
 def chunk_kda_fwd(
@@ -145,21 +172,14 @@ def chunk_kda_fwd(
         c1 = min(NC, c0 + group)
         t0, t1 = c0 * C, min(T, c1 * C)
         pad = (c1 - c0) * C - (t1 - t0)
-        qc, kc, vc, gc, bc = (
-            _chunked(F.pad(x[:, t0:t1], (0, 0) * (x.dim() - 2) + (0, pad)), C) for x in (q, k, v, g, beta.unsqueeze(-1))
-        )
-        qc = qc * scale
-        G = gc.cumsum(2)
-        Akk, Aqk = _intra_chunk(qc, kc, G)
-        decay = _exp(G)
-        # WY/UT form: (I + βA)⁻¹ once per chunk, then U and W by matmuls.
-        eye = torch.eye(C, dtype=q.dtype, device=q.device)
-        Tinv = torch.linalg.solve_triangular(Akk * bc, eye, upper=False, unitriangular=True) * bc.transpose(-1, -2)
-        U = Tinv @ vc  # (BH, n, C, V)
-        W = Tinv @ (kc * decay)  # (BH, n, C, K)
-        q_decay = qc * decay
-        k_to_end = (kc * _exp(G[:, :, -1:] - G)).transpose(-1, -2)  # (BH, n, K, C)
-        decay_end = decay[:, :, -1].unsqueeze(-1)  # (BH, n, K, 1)
+        xs = [x[:, t0:t1] for x in (q, k, v, g, beta)]
+        if pad:
+            xs = [F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in xs]
+        terms = _chunk_terms(*xs, scale, C)
+        if terms[-1] > SAFE_EXP:
+            # Only unbounded gates get here: recompute the in-chunk products exactly.
+            terms = _chunk_terms(*xs, scale, C, exact=True)
+        Aqk, U, W, q_decay, k_to_end, decay_end, _ = terms
 
         o = []
         for j in range(c1 - c0):
