@@ -7,6 +7,8 @@
 import torch
 import torch.nn.functional as F
 
+from k3.ops.numerics import at_least_fp32
+
 # The chunked algorithm is proven safe for decays down to e^-5 per token per channel (see chunk.py);
 # fla's `safe_gate` path enforces the same range.
 MIN_LOWER_BOUND = -5.0
@@ -14,7 +16,7 @@ MIN_LOWER_BOUND = -5.0
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(Σx² + eps) over the last dim, computed in fp32 (or fp64) and cast back."""
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    xf = at_least_fp32(x)
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
@@ -44,7 +46,7 @@ def kda_gate(
     """
     check_lower_bound(lower_bound)
     H, K = g_raw.shape[-2:]
-    g = g_raw.double() if g_raw.dtype == torch.float64 else g_raw.float()
+    g = at_least_fp32(g_raw)
     if dt_bias is not None:
         if dt_bias.numel() != H * K:
             raise ValueError(f"dt_bias must have H*K = {H * K} elements ([H*K] or [H, K]), got {list(dt_bias.shape)}")

@@ -1,0 +1,58 @@
+"""Per-request decoding state of the whole model (SPEC §2.1, §2.2).
+
+KDA layers keep a fixed-size state: S (H, K, V) in fp32 and the last kernel−1 inputs of each short
+convolution. MLA layers keep, per past token, the normalised latent c_kv (kv_lora_rank values) and
+the shared key part k_pe (qk_rope_head_dim values, no rotation): nothing per head.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.config import K3Config
+
+
+@dataclass
+class KDALayerCache:
+    state: torch.Tensor | None = None  # (B, H, K, V) fp32
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # q, k, v tails (B, C, kernel−1)
+
+
+@dataclass
+class MLALayerCache:
+    latent: torch.Tensor | None = None  # (B, L, kv_lora_rank)
+    k_pe: torch.Tensor | None = None  # (B, L, qk_rope_head_dim)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.latent is None else self.latent.shape[1]
+
+    def append(self, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add this step's (B, T, ·) entries; return everything cached so far."""
+        if self.latent is not None:
+            latent, k_pe = torch.cat([self.latent, latent], dim=1), torch.cat([self.k_pe, k_pe], dim=1)
+        self.latent, self.k_pe = latent, k_pe
+        return latent, k_pe
+
+
+@dataclass
+class K3Cache:
+    """One entry per layer, in layer order; `seq_len` tokens have been consumed so far."""
+
+    layers: list[KDALayerCache | MLALayerCache] = field(default_factory=list)
+    seq_len: int = 0
+
+    @classmethod
+    def empty(cls, config: K3Config) -> "K3Cache":
+        return cls([MLALayerCache() if t == "mla" else KDALayerCache() for t in config.layer_types])
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, split into KDA states (incl. conv tails) and MLA latents."""
+        out = {"kda": 0, "mla": 0}
+        for layer in self.layers:
+            if isinstance(layer, KDALayerCache):
+                tensors = [layer.state, *(layer.conv or ())]
+                out["kda"] += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+            elif layer.latent is not None:
+                out["mla"] += sum(t.numel() * t.element_size() for t in (layer.latent, layer.k_pe))
+        return out

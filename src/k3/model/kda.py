@@ -1,0 +1,94 @@
+"""The KDA layer (SPEC §2.1): projections, short causal convolutions, the bounded forget gate and
+the delta-rule recurrence of k3.ops.kda, then a gated per-head RMSNorm and the output projection."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.cache import KDALayerCache
+from k3.model.norm import RMSNorm
+from k3.ops.kda import chunk_kda, fused_recurrent_kda
+
+
+def causal_conv(x: torch.Tensor, conv: nn.Conv1d, tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution + SiLU over time.
+
+    x: (B, T, C); tail: (B, C, kernel−1) inputs preceding x (zeros when None).
+    returns y (B, T, C) and the new tail (B, C, kernel−1) for the next call.
+    """
+    B, _, C = x.shape
+    w = conv.weight.shape[-1]
+    xt = x.transpose(1, 2)
+    past = tail if tail is not None else x.new_zeros(B, C, w - 1)
+    full = torch.cat([past.to(x.dtype), xt], dim=2)  # (B, C, w−1+T)
+    y = F.conv1d(full, conv.weight, groups=C)
+    return F.silu(y).transpose(1, 2), full[:, :, full.shape[2] - (w - 1) :]
+
+
+class KimiDeltaAttention(nn.Module):
+    """x (B, T, d) -> (B, T, d). Parameter names follow the released checkpoint (`self_attn.*`)."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        d, H, K = config.hidden_size, config.kda_num_heads, config.kda_head_dim
+        V, w = K, config.short_conv_kernel_size
+        self.H, self.K, self.V = H, K, V
+        self.lower_bound = config.gate_lower_bound
+        self.q_proj = nn.Linear(d, H * K, bias=False)
+        self.k_proj = nn.Linear(d, H * K, bias=False)
+        self.v_proj = nn.Linear(d, H * V, bias=False)
+        self.q_conv1d = nn.Conv1d(H * K, H * K, w, groups=H * K, bias=False)
+        self.k_conv1d = nn.Conv1d(H * K, H * K, w, groups=H * K, bias=False)
+        self.v_conv1d = nn.Conv1d(H * V, H * V, w, groups=H * V, bias=False)
+        # low-rank forget gate: one log-decay per head and key channel
+        self.f_a_proj = nn.Linear(d, K, bias=False)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        if config.use_full_rank_gate:
+            self.g_proj = nn.Linear(d, H * V, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, V, bias=False)
+            self.g_b_proj = nn.Linear(V, H * V, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H * K))
+        self.o_norm = RMSNorm(V, config.rms_norm_eps)
+        self.o_proj = nn.Linear(H * V, d, bias=False)
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """Rates A ∈ [1, 16] and dt_bias = softplus⁻¹(dt) with dt log-uniform in [1e-3, 0.1], as fla's
+        KDA layer, so the layer starts out remembering over many tokens."""
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1)))
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, cache: KDALayerCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K, V = self.H, self.K, self.V
+        tails = cache.conv if cache is not None and cache.conv is not None else (None, None, None)
+        q, tq = causal_conv(self.q_proj(x), self.q_conv1d, tails[0])
+        k, tk = causal_conv(self.k_proj(x), self.k_conv1d, tails[1])
+        v, tv = causal_conv(self.v_proj(x), self.v_conv1d, tails[2])
+        g_raw = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        beta_raw = self.b_proj(x)
+        kw = dict(
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+        )  # fmt: skip
+        q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
+        if cache is None:
+            o, _ = chunk_kda(q, k, v, g_raw, beta_raw, **kw)
+        else:
+            # one new token: the recurrent step; a longer piece (prefill): the chunked form
+            step = fused_recurrent_kda if T == 1 else chunk_kda
+            o, cache.state = step(q, k, v, g_raw, beta_raw, initial_state=cache.state, output_final_state=True, **kw)
+        if cache is not None:
+            cache.conv = (tq, tk, tv)
+        gate = torch.sigmoid(self.output_gate(x).view(B, T, H, V))
+        return self.o_proj((self.o_norm(o) * gate).reshape(B, T, H * V))

@@ -1,0 +1,103 @@
+"""Gated Multi-head Latent Attention (SPEC §2.2), K3's global-attention layer.
+
+    c_q = RMSNorm(W_DQ x)                     q = W_UQ c_q = [q_nope, q_pe] per head
+    [c_kv, k_pe] = W_DKV x,  c_kv ← RMSNorm(c_kv)
+    k_h = [W_UK,h c_kv, k_pe],  v_h = W_UV,h c_kv
+    o_h = softmax(q_h · k_hᵀ / √d_qk, causal) v_h,   y = W_O (sigmoid(W_G x) ⊙ concat_h o_h)
+
+No positional encoding: k_pe is the released layout's shared key part, used without rotation.
+Only (c_kv, k_pe) is cached. Two paths, chosen by `config.mla_impl`, as in DeepSeek-V3:
+"naive" materialises per-head k and v; "absorbed" folds W_UK into the query and applies W_UV after
+the attention-weighted sum of cached latents, never building a per-head key or value.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.cache import MLALayerCache
+from k3.model.norm import RMSNorm
+from k3.ops.numerics import at_least_fp32
+
+
+class GatedMLA(nn.Module):
+    """x (B, T, d) -> (B, T, d). Parameter names follow the released checkpoint (`self_attn.*`)."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        d, H = config.hidden_size, config.num_attention_heads
+        self.H, self.nope, self.rope, self.v_dim = (
+            H,
+            config.qk_nope_head_dim,
+            config.qk_rope_head_dim,
+            config.v_head_dim,
+        )
+        self.rank = config.kv_lora_rank
+        self.impl = config.mla_impl
+        self.scale = config.qk_head_dim**-0.5
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, H * config.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * config.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.rank, H * (self.nope + self.v_dim), bias=False)
+        if config.mla_use_output_gate:
+            self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+
+    def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, d) -> q_nope (B, T, H, nope), q_pe (B, T, H, rope)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(B, T, self.H, -1).split([self.nope, self.rope], dim=-1)
+
+    def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, d) -> c_kv (B, T, rank) normalised, k_pe (B, T, rope): what the cache keeps."""
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        return self.kv_a_layernorm(c_kv), k_pe
+
+    def forward(self, x: torch.Tensor, cache: MLALayerCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q_nope, q_pe = self.queries(x)
+        c_kv, k_pe = self.latents(x)
+        past = 0 if cache is None else cache.length
+        if cache is not None:
+            c_kv, k_pe = cache.append(c_kv, k_pe)  # (B, L, ·) with L = past + T
+        attend = self.absorbed if self.impl == "absorbed" else self.naive
+        o = attend(q_nope, q_pe, c_kv, k_pe, past)  # (B, T, H, v)
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x).view(B, T, self.H, self.v_dim))
+        return self.o_proj(o.reshape(B, T, self.H * self.v_dim))
+
+    def _mask(self, T: int, L: int, device: torch.device) -> torch.Tensor:
+        """(T, L) True where query i (absolute position L − T + i) may see key j."""
+        return torch.ones(T, L, dtype=torch.bool, device=device).tril(L - T)
+
+    def naive(self, q_nope, q_pe, c_kv, k_pe, past: int) -> torch.Tensor:
+        B, T, H, _ = q_nope.shape
+        L = c_kv.shape[1]
+        kv = self.kv_b_proj(c_kv).view(B, L, H, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, L, H, self.rope)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        mask = None if past == 0 else self._mask(T, L, q.device)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=past == 0,
+            scale=self.scale,
+        )  # fmt: skip
+        return o.transpose(1, 2)
+
+    def absorbed(self, q_nope, q_pe, c_kv, k_pe, past: int) -> torch.Tensor:
+        T, L = q_nope.shape[1], c_kv.shape[1]
+        w = self.kv_b_proj.weight.view(self.H, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # (H, nope, rank), (H, v, rank)
+        q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)  # the query, moved into latent space
+        scores = torch.einsum("bthr,blr->bhtl", q_lat, c_kv) + torch.einsum("bthp,blp->bhtl", q_pe, k_pe)
+        scores = (at_least_fp32(scores) * self.scale).masked_fill(~self._mask(T, L, scores.device), float("-inf"))
+        p = torch.softmax(scores, dim=-1).to(c_kv.dtype)
+        ctx = torch.einsum("bhtl,blr->bthr", p, c_kv)  # attention-weighted latents
+        return torch.einsum("bthr,hvr->bthv", ctx, w_uv)

@@ -1,0 +1,145 @@
+"""The K3 language model: embedding, 93 hybrid layers (KDA : MLA = 3 : 1, a final MLA), dense
+first FFN then LatentMoE, Block Attention Residuals across depth, final norm, untied LM head.
+
+`K3Model.state_dict()` uses the released checkpoint's names: `model.*` and `lm_head.weight`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.attn_res import attn_res
+from k3.model.cache import K3Cache
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import GatedMLA
+from k3.model.moe import LatentMoE
+from k3.model.norm import RMSNorm
+from k3.model.router import RouterOutput
+from k3.model.situ import GatedMLP
+from k3.ops.numerics import at_least_fp32
+
+
+@dataclass
+class K3Output:
+    logits: torch.Tensor  # (B, T, vocab)
+    loss: torch.Tensor | None = None  # mean next-token cross-entropy when labels are given
+    routing: list[RouterOutput] | None = None  # one per MoE layer, in layer order
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: K3Config, index: int):
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.kind = config.layer_types[index]
+        self.self_attn = GatedMLA(config) if self.kind == "mla" else KimiDeltaAttention(config)
+        if config.ffn_types[index] == "dense":
+            self.mlp = GatedMLP(d, config.intermediate_size, config.hidden_act, config.activation_situ_beta,
+                                config.activation_situ_linear_beta)  # fmt: skip
+        else:
+            self.block_sparse_moe = LatentMoE(config)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        if config.residual == "attnres":
+            self.attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.attention_res_norm = RMSNorm(d, eps)
+            self.ffn_res_proj = nn.Linear(d, 1, bias=False)
+            self.ffn_res_norm = RMSNorm(d, eps)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
+
+    def attention(self, h: torch.Tensor, cache) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(h), cache)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ffn(self.post_attention_layernorm(h))
+
+
+class K3TextModel(nn.Module):
+    """input_ids (B, T) -> final hidden states (B, T, d), after the last AttnRes readout and norm."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.residual == "attnres":
+            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+            self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.block_starts = {s for s, _ in config.attn_res_blocks}
+
+    def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        caches = cache.layers if cache is not None else [None] * len(self.layers)
+        if self.config.residual == "standard":
+            for layer, c in zip(self.layers, caches, strict=True):
+                x = x + layer.attention(x, c)
+                x = x + layer.feed_forward(x)
+            return self.norm(x)
+
+        blocks, partial = [x], None  # b₀ = the embedding; partial = the current block's running sum
+        for i, (layer, c) in enumerate(zip(self.layers, caches, strict=True)):
+            if i in self.block_starts and partial is not None:
+                blocks.append(partial)
+                partial = None
+            h = attn_res(blocks + ([partial] if partial is not None else []), layer.attention_res_proj,
+                         layer.attention_res_norm)  # fmt: skip
+            a = layer.attention(h, c)
+            partial = a if partial is None else partial + a
+            f = layer.feed_forward(attn_res([*blocks, partial], layer.ffn_res_proj, layer.ffn_res_norm))
+            partial = partial + f
+        return self.norm(attn_res([*blocks, partial], self.output_attn_res_proj, self.output_attn_res_norm))
+
+
+class K3Model(nn.Module):
+    """The causal LM. model(input_ids, cache=None, labels=None) -> K3Output."""
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        self.config = config
+        self.model = K3TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, initializer_range) matrices, unit norm gains, zero AttnRes queries and router bias,
+        fla's KDA gate init. A no-op on the meta device."""
+        std = self.config.initializer_range
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if name.endswith("_res_proj"):
+                    nn.init.zeros_(module.weight)
+                else:
+                    nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, nn.Conv1d):
+                nn.init.normal_(module.weight, std=module.weight.shape[-1] ** -0.5)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, KimiDeltaAttention):
+                module.reset_gate_parameters()
+        for module in self.modules():
+            if isinstance(module, LatentMoE):
+                nn.init.normal_(module.gate.weight, std=std)
+                module.gate.e_score_correction_bias.zero_()
+
+    def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None, labels: torch.Tensor | None = None):
+        hidden = self.model(input_ids, cache)
+        if cache is not None:
+            cache.seq_len += input_ids.shape[1]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            # predict token t+1 from position t; -100 marks positions without a target
+            loss = F.cross_entropy(
+                at_least_fp32(logits[:, :-1].flatten(0, 1)), labels[:, 1:].flatten(), ignore_index=-100
+            )
+        routing = [layer.ffn.last_routing for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
+        return K3Output(logits, loss, routing)
