@@ -112,6 +112,8 @@ class K3Model(nn.Module):
     def reset_parameters(self) -> None:
         """Normal(0, initializer_range) matrices, unit norm gains, zero AttnRes queries and router bias,
         fla's KDA gate init. A no-op on the meta device."""
+        if self.lm_head.weight.is_meta:
+            return
         std = self.config.initializer_range
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
