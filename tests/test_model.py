@@ -75,10 +75,13 @@ def test_every_parameter_gets_a_gradient():
     ids = torch.randint(0, 512, (4, 33))
     out = model(ids, labels=ids)
     out.loss.backward()
-    used = {e for r in out.routing for e in r.experts_TK.flatten().tolist()}
+    moe_layers = [i for i, f in enumerate(model.config.ffn_types) if f == "moe"]
+    used = {(i, e) for i, r in zip(moe_layers, out.routing, strict=True) for e in r.experts_TK.flatten().tolist()}
     for name, p in model.named_parameters():
-        if ".experts." in name and int(name.split(".experts.")[1].split(".")[0]) not in used:
-            continue
+        if ".experts." in name:
+            layer, expert = int(name.split(".")[2]), int(name.split(".experts.")[1].split(".")[0])
+            if (layer, expert) not in used:
+                continue  # an expert no token was routed to gets no gradient, correctly
         if name.startswith("model.layers.0.attention_res_"):
             continue  # the first sublayer mixes one source (the embedding): its query has nothing to weigh
         assert p.grad is not None, name
