@@ -18,14 +18,17 @@ def causal_conv(x: torch.Tensor, conv: nn.Conv1d, tail: torch.Tensor | None) -> 
 
     x: (B, T, C); tail: (B, C, kernel−1) inputs preceding x (zeros when None).
     returns y (B, T, C) and the new tail (B, C, kernel−1) for the next call.
+
+    Written as kernel shifted multiply-adds: a tiny kernel over many channels, where CPU conv1d's
+    backward loops over channels one by one.
     """
-    B, _, C = x.shape
+    B, T, C = x.shape
     w = conv.weight.shape[-1]
-    xt = x.transpose(1, 2)
-    past = tail if tail is not None else x.new_zeros(B, C, w - 1)
-    full = torch.cat([past.to(x.dtype), xt], dim=2)  # (B, C, w−1+T)
-    y = F.conv1d(full, conv.weight, groups=C)
-    return F.silu(y).transpose(1, 2), full[:, :, full.shape[2] - (w - 1) :]
+    past = tail.transpose(1, 2).to(x.dtype) if tail is not None else x.new_zeros(B, w - 1, C)
+    full = torch.cat([past, x], dim=1)  # (B, w−1+T, C)
+    weight = conv.weight.view(C, w).t()  # (w, C): tap j multiplies the input j steps into the window
+    y = sum(full[:, j : j + T] * weight[j] for j in range(w))
+    return F.silu(y), full[:, full.shape[1] - (w - 1) :].transpose(1, 2)
 
 
 class KimiDeltaAttention(nn.Module):
