@@ -178,6 +178,16 @@ class K3Config:
     @classmethod
     def from_hf(cls, source: str | Path | dict[str, Any]) -> "K3Config":
         """Read the official layout: a config.json path (or its folder), or the parsed dict."""
+        try:
+            return cls._from_hf(source)
+        except ConfigError:
+            raise
+        except (TypeError, AttributeError, ValueError) as e:  # a JSON document that is not this layout
+            where = "the given dict" if isinstance(source, dict) else str(source)
+            raise ConfigError(f"{where} is not a K3 config.json ({type(e).__name__}: {e})") from e
+
+    @classmethod
+    def _from_hf(cls, source: str | Path | dict[str, Any]) -> "K3Config":
         if isinstance(source, dict):
             top = copy.deepcopy(source)
         else:
