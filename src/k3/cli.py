@@ -1,10 +1,12 @@
 """The `k3` command line. Thin: each subcommand parses its flags and calls into the package."""
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
 import sys
+from pathlib import Path
 
 import torch
 
@@ -57,6 +59,141 @@ def cmd_params(args: argparse.Namespace) -> int:
     return 0
 
 
+QUICKSTART_PROMPT = "def fibonacci(n):\n"
+QUICKSTART_STEPS = 150
+USER_ERRORS = (ValueError, FileNotFoundError)  # ConfigError, CheckpointError, CorpusError are ValueErrors
+
+
+def _fail(command: str, error: Exception) -> int:
+    print(f"k3 {command}: {error}", file=sys.stderr)
+    return 2
+
+
+def _train_args(args: argparse.Namespace, **overrides):
+    from k3.train.trainer import TrainArgs
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainArgs) if hasattr(args, f.name)}
+    return TrainArgs(**{**values, **overrides})
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train (or --resume) a K3 model; checkpoints, metrics.jsonl and tokenizer.json go to --out."""
+    from k3.train.trainer import Trainer
+
+    try:
+        summary = Trainer(_train_args(args)).train()
+    except USER_ERRORS as e:
+        return _fail("train", e)
+    print(json.dumps({k: v for k, v in summary.items() if k != "maxvio"}))
+    return 0
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """A randomly initialised checkpoint with a byte-level tokenizer: for tests and servers that need no training."""
+    from k3.model import K3Model
+    from k3.train.checkpoint import save_checkpoint, step_dirs
+    from k3.train.optim import build_optimizer
+    from k3.train.tokenizer import byte_tokenizer
+
+    out = Path(args.out)
+    try:
+        if step_dirs(out):
+            raise ValueError(f"{out} already holds checkpoints; choose a new --out")
+        tokenizer = byte_tokenizer()
+        config = K3Config.from_preset(args.preset, vocab_size=tokenizer.vocab_size)
+    except USER_ERRORS as e:
+        return _fail("init", e)
+    torch.manual_seed(args.seed)
+    model = K3Model(config)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(out / "tokenizer.json")
+    state = {"position": 0, "tokenizer": "tokenizer.json", "init": {"preset": args.preset, "seed": args.seed}}
+    path = save_checkpoint(out, 0, model, build_optimizer(model, lr=1e-3, weight_decay=0.0), config, state)
+    print(f"wrote {path} ({sum(p.numel() for p in model.parameters()):,} parameters, preset {args.preset})")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Continue a prompt with a checkpoint."""
+    from k3.model import generate
+    from k3.train.checkpoint import load_for_inference
+
+    try:
+        model, tokenizer = load_for_inference(args.ckpt)
+        ids = tokenizer.encode(args.prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        out = generate(model, torch.tensor([ids]), args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                       seed=args.seed, eos_token_id=tokenizer.eos_id)  # fmt: skip
+    except USER_ERRORS as e:
+        return _fail("generate", e)
+    print(tokenizer.decode(out[0].tolist()))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Loss and per-layer MaxVio curves of a run, as PNG files in the run folder."""
+    from k3.train.plot import plot_run
+
+    try:
+        for path in plot_run(args.run):
+            print(f"wrote {path}")
+    except USER_ERRORS as e:
+        return _fail("plot", e)
+    return 0
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    """Train the small preset on the standard library's source, then sample from it and plot the run."""
+    from k3.model import generate
+    from k3.train.checkpoint import load_for_inference, step_dirs
+    from k3.train.plot import plot_run
+    from k3.train.trainer import Trainer
+
+    out = Path(args.out)
+    print(f"k3 quickstart: training the small K3 preset for {args.steps} steps on the Python standard library's "
+          f"source ({args.batch_size} × {args.seq_len} tokens per step), writing to {out}/")  # fmt: skip
+    try:
+        trainer = Trainer(_train_args(args, resume=bool(step_dirs(out))))
+        n = sum(p.numel() for p in trainer.model.parameters())
+        print(f"model: {n / 1e6:.1f}M parameters, {trainer.config.num_hidden_layers} layers "
+              f"({trainer.config.layer_types.count('kda')} KDA + {trainer.config.layer_types.count('mla')} MLA), "
+              f"{trainer.train_data.num_sequences * args.seq_len / 1e6:.1f}M training tokens")  # fmt: skip
+        summary = trainer.train()
+        model, tokenizer = load_for_inference(out)
+    except USER_ERRORS as e:
+        return _fail("quickstart", e)
+    print(f"\nvalidation loss: {summary.get('val_loss', float('nan')):.3f} nats/token after {trainer.step} steps")
+    ids = torch.tensor([tokenizer.encode(QUICKSTART_PROMPT)])
+    sample = generate(
+        model, ids, args.sample_tokens, temperature=0.8, top_p=0.95, seed=0, eos_token_id=tokenizer.eos_id
+    )
+    rule = "-" * 60
+    print(f"\nsample (temperature 0.8, top-p 0.95, seed 0):\n{rule}\n{tokenizer.decode(sample[0].tolist())}\n{rule}")
+    for path in plot_run(out):
+        print(f"wrote {path}")
+    print(f"\nnext:\n  k3 generate --ckpt {out} --max-tokens 200 \"import os\\n\"\n"
+          f"  k3 train --preset small --steps 2000 --out runs/longer     # train longer\n"
+          f"  k3 params --preset k3                                      # the full 2.8T model, counted")  # fmt: skip
+    return 0
+
+
+def _add_train_flags(p: argparse.ArgumentParser, **defaults) -> None:
+    from k3.train.trainer import TrainArgs
+
+    for f in dataclasses.fields(TrainArgs):
+        default = defaults.get(f.name, f.default)
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "progress":
+            continue
+        if f.type is bool:
+            p.add_argument(flag, action="store_true", default=default)
+        else:
+            kind = f.type if f.type in (int, float) else str
+            p.add_argument(flag, type=kind, default=default, required=default is dataclasses.MISSING)
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3", description="Kimi K3: read, train, serve and measure it.")
     parser.add_argument("--version", action="version", version=f"k3 {k3.__version__}")
@@ -75,6 +212,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     params.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     params.set_defaults(func=cmd_params)
+
+    train = sub.add_parser("train", help="train a K3 model (default: the small preset on the stdlib source)")
+    _add_train_flags(train)
+    train.set_defaults(func=cmd_train)
+
+    quick = sub.add_parser("quickstart", help="train a small K3 for a few minutes, sample from it, plot the run")
+    _add_train_flags(quick, out="runs/quickstart", steps=QUICKSTART_STEPS, eval_every=25, ckpt_every=50)
+    quick.add_argument("--sample-tokens", type=int, default=120)
+    quick.set_defaults(func=cmd_quickstart)
+
+    init = sub.add_parser("init", help="write a randomly initialised checkpoint with a byte-level tokenizer")
+    init.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    init.add_argument("--out", required=True)
+    init.add_argument("--seed", type=int, default=0)
+    init.set_defaults(func=cmd_init)
+
+    gen = sub.add_parser("generate", help="continue a prompt with a checkpoint")
+    gen.add_argument("prompt")
+    gen.add_argument("--ckpt", required=True, help="a run folder (its newest checkpoint) or a step_* folder")
+    gen.add_argument("--max-tokens", type=int, default=100)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=cmd_generate)
+
+    plot = sub.add_parser("plot", help="draw a run's loss and MaxVio curves to PNG")
+    plot.add_argument("run")
+    plot.set_defaults(func=cmd_plot)
     return parser
 
 

@@ -1,0 +1,67 @@
+"""Byte-level BPE (SPEC §4), trained with the `tokenizers` library and saved as tokenizer.json beside
+the checkpoint. Byte-level means every string round-trips, whatever the corpus."""
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS = "<|endoftext|>"  # document boundary
+SPECIAL_TOKENS = [EOS, "<|pad|>", "<|im_start|>", "<|im_end|>", "<|image|>"]
+
+
+class K3Tokenizer:
+    """A thin wrapper: encode/decode plus the ids the trainer and generator need."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
+        if missing:
+            raise ValueError(f"tokenizer lacks the special tokens {missing}")
+        self.eos_id = tokenizer.token_to_id(EOS)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def save(self, path: str | Path) -> None:
+        self.tok.save(str(path))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "K3Tokenizer":
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as e:  # tokenizers raises plain Exception subclasses for bad files
+            raise ValueError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+def _empty_bpe() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192) -> K3Tokenizer:
+    """BPE merges learned from texts on top of the 256 byte symbols and the special tokens."""
+    tok = _empty_bpe()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2, show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(texts, trainer)
+    return K3Tokenizer(tok)
+
+
+def byte_tokenizer() -> K3Tokenizer:
+    """No merges: one token per byte plus the special tokens (for `k3 init` and tests)."""
+    return train_tokenizer([], vocab_size=256 + len(SPECIAL_TOKENS))
