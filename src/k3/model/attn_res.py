@@ -25,4 +25,4 @@ def attn_res(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> tor
         return sources[0]
     V = torch.stack(sources)  # (S, B, T, d)
     weights = torch.softmax(at_least_fp32(proj(norm(V)).squeeze(-1)), dim=0).to(V.dtype)
-    return torch.einsum("sbt,sbtd->btd", weights, V)
+    return (weights.unsqueeze(-1) * V).sum(0)

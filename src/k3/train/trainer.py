@@ -51,6 +51,7 @@ class TrainArgs:
     seed: int = 0
     balancer: str = "quantile"
     qb_bins: int = 1000
+    qb_exact_cutoff: bool = False
     data: str | None = None
     vocab_size: int = 8192
     resume: bool = False
@@ -113,7 +114,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, lr=args.lr, weight_decay=args.weight_decay)
         self.balancer = None
         if args.balancer == "quantile":
-            self.balancer = QuantileBalancer(self.model, num_bins=args.qb_bins)
+            self.balancer = QuantileBalancer(self.model, num_bins=args.qb_bins, exact_cutoff=args.qb_exact_cutoff)
         elif args.balancer == "fixed":
             self.balancer = FixedStepBalancer(self.model)
         self.step, self.position = 0, 0
