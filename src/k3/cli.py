@@ -60,7 +60,7 @@ def cmd_params(args: argparse.Namespace) -> int:
 
 
 QUICKSTART_PROMPT = "def fibonacci(n):\n"
-QUICKSTART_STEPS = 150
+QUICKSTART_STEPS = 120
 USER_ERRORS = (ValueError, FileNotFoundError)  # ConfigError, CheckpointError, CorpusError are ValueErrors
 
 

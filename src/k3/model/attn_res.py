@@ -20,9 +20,21 @@ from k3.ops.numerics import at_least_fp32
 
 def attn_res(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
     """sources: S tensors (B, T, d) -> (B, T, d). proj: the pseudo-query w as a (d -> 1) linear map,
-    norm: its key RMSNorm (`*_res_proj`, `*_res_norm` in the released checkpoint)."""
+    norm: its key RMSNorm (`*_res_proj`, `*_res_norm` in the released checkpoint).
+
+    w · RMSNorm(v) = (v · (w ⊙ γ)) / rms(v): one dot product and one mean square per source, with no
+    stacked (S, B, T, d) copy and no normalised copy of every source, which dominated this function's
+    cost when it was written literally.
+    """
     if len(sources) == 1:
         return sources[0]
-    V = torch.stack(sources)  # (S, B, T, d)
-    weights = torch.softmax(at_least_fp32(proj(norm(V)).squeeze(-1)), dim=0).to(V.dtype)
-    return (weights.unsqueeze(-1) * V).sum(0)
+    wg = proj.weight[0] * norm.weight  # (d,)
+    logits = []
+    for v in sources:
+        vf = at_least_fp32(v)
+        logits.append((vf @ wg.to(vf.dtype)) * torch.rsqrt(vf.pow(2).mean(-1) + norm.eps))  # (B, T)
+    weights = torch.softmax(at_least_fp32(torch.stack(logits)), dim=0).to(sources[0].dtype)  # (S, B, T)
+    out = sources[0] * weights[0].unsqueeze(-1)
+    for v, w in zip(sources[1:], weights[1:], strict=True):
+        out = torch.addcmul(out, v, w.unsqueeze(-1))
+    return out

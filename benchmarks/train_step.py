@@ -1,0 +1,150 @@
+"""Training-step benchmark: the small K3 preset next to HF transformers' LlamaForCausalLM with the same
+number of active parameters, trained by the same loop (forward, backward, clip, MuonAdamW step; K3
+also runs its Quantile Balancing update, which is part of its step).
+
+    python benchmarks/train_step.py               # batch 8 × 256 tokens, fp32, 2 threads
+    python benchmarks/train_step.py --markdown    # also print the table for docs/benchmarks.md
+
+MFU = model FLOPs per token × tokens/s ÷ the fp32 matmul rate measured in this run, with model
+FLOPs = 3 × the forward FLOPs (forward + backward): 2 per active matmul weight, plus attention over
+the average context (seq_len / 2) and, for K3, the KDA state updates (k3.model.params).
+"""
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from k3 import K3Config, K3Model
+from k3.model.params import param_report
+from k3.train.balance import QuantileBalancer
+from k3.train.optim import build_optimizer
+
+
+def matmul_gflops(repeats: int = 5) -> float:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * 2048**3 / statistics.median(times) / 1e9
+
+
+def llama_like(k3_active: int, config: K3Config) -> LlamaConfig:
+    """A conventional Llama (MLP width 3·d, as SwiGLU models use) with K3-small's width, heads,
+    vocabulary and untied head; the layer count, then the MLP width in steps of 64, chosen so its
+    parameter count comes closest to K3-small's active parameters."""
+    d = config.hidden_size
+
+    def count(layers: int, inter: int) -> int:
+        return 2 * config.vocab_size * d + d + layers * (4 * d * d + 3 * d * inter + 2 * d)
+
+    layers = min(range(1, 33), key=lambda n: abs(count(n, 3 * d) - k3_active))
+    inter = min(range(2 * d, 4 * d + 1, 64), key=lambda i: abs(count(layers, i) - k3_active))
+    return LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=d, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_attention_heads,
+        tie_word_embeddings=False, max_position_embeddings=4096,
+    )  # fmt: skip
+
+
+def llama_flops_per_token(c: LlamaConfig, context: int) -> int:
+    """Forward: 2 per matmul weight (input embedding excluded), plus q·kᵀ and p·v over `context` tokens."""
+    d, L = c.hidden_size, c.num_hidden_layers
+    weights = L * (4 * d * d + 3 * d * c.intermediate_size) + c.vocab_size * d
+    return 2 * weights + L * 2 * 2 * d * context
+
+
+def bench(model, batch: torch.Tensor, steps: int, balancer=None) -> tuple[float, float]:
+    """Median seconds per training step, and the median share of it spent in the optimiser."""
+    optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
+    step_s, opt_s = [], []
+    for i in range(steps + 1):  # the first step warms up allocators and caches
+        t0 = time.perf_counter()
+        out = model(batch, labels=batch)
+        out.loss.backward()
+        if balancer is not None:
+            balancer.observe(out.routing)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if balancer is not None:
+            balancer.update()
+        t1 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        if i:
+            step_s.append(t2 - t0)
+            opt_s.append(t2 - t1)
+    return statistics.median(step_s), statistics.median(opt_s)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per model per round")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the table shows medians")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--markdown", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    config = K3Config.from_preset("small")
+    report = param_report(config, context=args.seq_len // 2)
+    k3_model = K3Model(config)
+    lcfg = llama_like(report["active"], config)
+    llama = LlamaForCausalLM(lcfg)
+    llama_params = sum(p.numel() for p in llama.parameters())
+    k3_flops = 3 * report["flops_per_token"]["total"]
+    llama_flops = 3 * llama_flops_per_token(lcfg, args.seq_len // 2)
+    batch = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len))
+    tokens = batch.numel()
+
+    mm = matmul_gflops()
+    print(f"train step, batch {args.batch_size} × {args.seq_len}, fp32, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}; fp32 matmul {mm:.1f} GFLOP/s")  # fmt: skip
+    print(
+        f"K3 small: {report['total'] / 1e6:.2f}M parameters, {report['active'] / 1e6:.2f}M active; "
+        f"Llama: {llama_params / 1e6:.2f}M ({lcfg.num_hidden_layers} layers, MLP {lcfg.intermediate_size})"
+    )
+    k3_runs, llama_runs = [], []
+    for r in range(args.rounds):  # alternate so drift on a shared machine hits both alike
+        k3_runs.append(bench(k3_model, batch, args.steps, QuantileBalancer(k3_model)))
+        llama_runs.append(bench(llama, batch, args.steps))
+        print(f"round {r + 1}: K3 {tokens / k3_runs[-1][0]:.0f} tok/s, Llama {tokens / llama_runs[-1][0]:.0f} tok/s",
+              flush=True)  # fmt: skip
+    k3_step = statistics.median(s for s, _ in k3_runs)
+    k3_opt = statistics.median(o for _, o in k3_runs)
+    ll_step = statistics.median(s for s, _ in llama_runs)
+    ll_opt = statistics.median(o for _, o in llama_runs)
+
+    rows = [
+        ("K3 small", report["active"], k3_flops, k3_step, k3_opt),
+        ("Llama (HF transformers)", llama_params, llama_flops, ll_step, ll_opt),
+    ]
+    lines = [
+        "| model | active params | train FLOPs/token | step ms | optimizer ms | tokens/s | MFU |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, params, flops, step, opt in rows:
+        tps = tokens / step
+        lines.append(f"| {name} | {params / 1e6:.2f}M | {flops / 1e6:.1f}M | {step * 1e3:.0f} | {opt * 1e3:.0f} "
+                     f"| {tps:.0f} | {100 * flops * tps / (mm * 1e9):.1f}% |")  # fmt: skip
+    print()
+    print("\n".join(lines))
+    print(f"\nK3 / Llama tokens/s: {ll_step / k3_step:.2f}×")
+    if args.markdown:
+        print(f"\n{datetime.date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, torch "
+              f"{torch.__version__}; fp32 matmul {mm:.1f} GFLOP/s; medians of {args.rounds} rounds × "
+              f"{args.steps} steps")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
