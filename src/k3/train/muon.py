@@ -49,9 +49,13 @@ def newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
     tall = X.shape[-2] > X.shape[-1]
     if tall:  # work on the wide side so A = X·Xᵀ is the smaller Gram matrix
         X = X.mT
+    shape = X.shape
+    X = X.reshape(-1, *shape[-2:])  # one batch dim, for the fused baddbmm calls
     for _ in range(steps):
-        A = X @ X.mT  # (..., min, min)
-        X = a * X + (b * A + c * (A @ A)) @ X
+        A = X @ X.mT  # (batch, min, min)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b·A + c·A², without separate element-wise passes
+        X = torch.baddbmm(X, B, X, beta=a)  # a·X + B·X
+    X = X.reshape(shape)
     if tall:
         X = X.mT
     return X.to(G.dtype)
