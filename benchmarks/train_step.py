@@ -2,7 +2,7 @@
 number of active parameters, trained by the same loop (forward, backward, clip, MuonAdamW step; K3
 also runs its Quantile Balancing update, which is part of its step).
 
-    python benchmarks/train_step.py               # batch 8 × 256 tokens, fp32, 2 threads
+    python benchmarks/train_step.py               # batches of 8 and 32 × 256 tokens, fp32, 2 threads
     python benchmarks/train_step.py --markdown    # also print the table for docs/benchmarks.md
 
 MFU = model FLOPs per token × tokens/s ÷ the fp32 matmul rate measured in this run, with model
@@ -86,7 +86,7 @@ def bench(model, batch: torch.Tensor, steps: int, balancer=None) -> tuple[float,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[8, 32], help="sequences per step (one row each)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=5, help="timed steps per model per round")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the table shows medians")
@@ -104,42 +104,41 @@ def main() -> None:
     llama_params = sum(p.numel() for p in llama.parameters())
     k3_flops = 3 * report["flops_per_token"]["total"]
     llama_flops = 3 * llama_flops_per_token(lcfg, args.seq_len // 2)
-    batch = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len))
-    tokens = batch.numel()
 
     mm = matmul_gflops()
-    print(f"train step, batch {args.batch_size} × {args.seq_len}, fp32, {torch.get_num_threads()} threads, "
+    print(f"train step, sequences of {args.seq_len}, fp32, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; fp32 matmul {mm:.1f} GFLOP/s")  # fmt: skip
     print(
         f"K3 small: {report['total'] / 1e6:.2f}M parameters, {report['active'] / 1e6:.2f}M active; "
         f"Llama: {llama_params / 1e6:.2f}M ({lcfg.num_hidden_layers} layers, MLP {lcfg.intermediate_size})"
     )
-    k3_runs, llama_runs = [], []
-    for r in range(args.rounds):  # alternate so drift on a shared machine hits both alike
-        k3_runs.append(bench(k3_model, batch, args.steps, QuantileBalancer(k3_model)))
-        llama_runs.append(bench(llama, batch, args.steps))
-        print(f"round {r + 1}: K3 {tokens / k3_runs[-1][0]:.0f} tok/s, Llama {tokens / llama_runs[-1][0]:.0f} tok/s",
-              flush=True)  # fmt: skip
-    k3_step = statistics.median(s for s, _ in k3_runs)
-    k3_opt = statistics.median(o for _, o in k3_runs)
-    ll_step = statistics.median(s for s, _ in llama_runs)
-    ll_opt = statistics.median(o for _, o in llama_runs)
-
-    rows = [
-        ("K3 small", report["active"], k3_flops, k3_step, k3_opt),
-        ("Llama (HF transformers)", llama_params, llama_flops, ll_step, ll_opt),
-    ]
     lines = [
-        "| model | active params | train FLOPs/token | step ms | optimizer ms | tokens/s | MFU |",
-        "|---|---|---|---|---|---|---|",
+        "| batch (tokens) | model | active params | train FLOPs/token | step ms | optimizer ms | tokens/s | MFU "
+        "| K3 / Llama tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, params, flops, step, opt in rows:
-        tps = tokens / step
-        lines.append(f"| {name} | {params / 1e6:.2f}M | {flops / 1e6:.1f}M | {step * 1e3:.0f} | {opt * 1e3:.0f} "
-                     f"| {tps:.0f} | {100 * flops * tps / (mm * 1e9):.1f}% |")  # fmt: skip
+    for bs in args.batch_size:
+        batch = torch.randint(0, config.vocab_size, (bs, args.seq_len))
+        tokens = batch.numel()
+        k3_runs, llama_runs = [], []
+        for r in range(args.rounds):  # alternate so drift on a shared machine hits both alike
+            k3_runs.append(bench(k3_model, batch, args.steps, QuantileBalancer(k3_model)))
+            llama_runs.append(bench(llama, batch, args.steps))
+            print(f"batch {bs}, round {r + 1}: K3 {tokens / k3_runs[-1][0]:.0f} tok/s, "
+                  f"Llama {tokens / llama_runs[-1][0]:.0f} tok/s", flush=True)  # fmt: skip
+        k3_step, ll_step = (statistics.median(s for s, _ in runs) for runs in (k3_runs, llama_runs))
+        k3_opt, ll_opt = (statistics.median(o for _, o in runs) for runs in (k3_runs, llama_runs))
+        rows = [
+            ("K3 small", report["active"], k3_flops, k3_step, k3_opt, f"{ll_step / k3_step:.2f}×"),
+            ("Llama (HF transformers)", llama_params, llama_flops, ll_step, ll_opt, ""),
+        ]
+        for name, params, flops, step, opt, ratio in rows:
+            tps = tokens / step
+            lines.append(f"| {bs} × {args.seq_len} ({tokens}) | {name} | {params / 1e6:.2f}M | {flops / 1e6:.1f}M "
+                         f"| {step * 1e3:.0f} | {opt * 1e3:.0f} | {tps:.0f} | {100 * flops * tps / (mm * 1e9):.1f}% "
+                         f"| {ratio} |")  # fmt: skip
     print()
     print("\n".join(lines))
-    print(f"\nK3 / Llama tokens/s: {ll_step / k3_step:.2f}×")
     if args.markdown:
         print(f"\n{datetime.date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, torch "
               f"{torch.__version__}; fp32 matmul {mm:.1f} GFLOP/s; medians of {args.rounds} rounds × "

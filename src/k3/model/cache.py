@@ -15,7 +15,7 @@ from k3.config import K3Config
 @dataclass
 class KDALayerCache:
     state: torch.Tensor | None = None  # (B, H, K, V) fp32
-    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # q, k, v tails (B, C, kernel−1)
+    conv: torch.Tensor | None = None  # the last kernel−1 inputs of the q, k, v convolutions: (B, 2HK + HV, kernel−1)
 
 
 @dataclass
@@ -51,7 +51,7 @@ class K3Cache:
         out = {"kda": 0, "mla": 0}
         for layer in self.layers:
             if isinstance(layer, KDALayerCache):
-                tensors = [layer.state, *(layer.conv or ())]
+                tensors = [layer.state, layer.conv]
                 out["kda"] += sum(t.numel() * t.element_size() for t in tensors if t is not None)
             elif layer.latent is not None:
                 out["mla"] += sum(t.numel() * t.element_size() for t in (layer.latent, layer.k_pe))
