@@ -27,6 +27,12 @@ class MLALayerCache:
     def length(self) -> int:
         return 0 if self.latent is None else self.latent.shape[1]
 
+    def attention_mask(self, T: int, device: torch.device) -> torch.Tensor:
+        """(1, T, L): the T newest tokens see every cached one and each other causally (every row of
+        the batch has the same length here)."""
+        L = self.length
+        return torch.ones(T, L, dtype=torch.bool, device=device).tril(L - T)[None]
+
     def append(self, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add this step's (B, T, ·) entries; return everything cached so far."""
         if self.latent is not None:

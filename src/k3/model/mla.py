@@ -21,6 +21,11 @@ from k3.model.norm import RMSNorm
 from k3.ops.numerics import at_least_fp32
 
 
+def causal_mask(T: int, L: int, device: torch.device) -> torch.Tensor:
+    """(T, L) True where query i, at absolute position L − T + i, may see key j."""
+    return torch.ones(T, L, dtype=torch.bool, device=device).tril(L - T)
+
+
 class GatedMLA(nn.Module):
     """x (B, T, d) -> (B, T, d). Parameter names follow the released checkpoint (`self_attn.*`)."""
 
@@ -64,40 +69,39 @@ class GatedMLA(nn.Module):
         B, T, _ = x.shape
         q_nope, q_pe = self.queries(x)
         c_kv, k_pe = self.latents(x)
-        past = 0 if cache is None else cache.length
+        mask = None  # None: plain causal attention over this call's T tokens
         if cache is not None:
-            c_kv, k_pe = cache.append(c_kv, k_pe)  # (B, L, ·) with L = past + T
+            c_kv, k_pe = cache.append(c_kv, k_pe)  # (B, L, ·): every cached token plus these T
+            mask = cache.attention_mask(T, x.device)  # (B or 1, T, L)
         attend = self.absorbed if self.impl == "absorbed" else self.naive
-        o = attend(q_nope, q_pe, c_kv, k_pe, past)  # (B, T, H, v)
+        o = attend(q_nope, q_pe, c_kv, k_pe, mask)  # (B, T, H, v)
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x).view(B, T, self.H, self.v_dim))
         return self.o_proj(o.reshape(B, T, self.H * self.v_dim))
 
-    def _mask(self, T: int, L: int, device: torch.device) -> torch.Tensor:
-        """(T, L) True where query i (absolute position L − T + i) may see key j."""
-        return torch.ones(T, L, dtype=torch.bool, device=device).tril(L - T)
-
-    def naive(self, q_nope, q_pe, c_kv, k_pe, past: int) -> torch.Tensor:
-        B, T, H, _ = q_nope.shape
+    def naive(self, q_nope, q_pe, c_kv, k_pe, mask: torch.Tensor | None) -> torch.Tensor:
+        B, _, H, _ = q_nope.shape
         L = c_kv.shape[1]
         kv = self.kv_b_proj(c_kv).view(B, L, H, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, L, H, self.rope)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        mask = None if past == 0 else self._mask(T, L, q.device)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=past == 0,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=None if mask is None else mask[:, None],
+            is_causal=mask is None,
             scale=self.scale,
         )  # fmt: skip
         return o.transpose(1, 2)
 
-    def absorbed(self, q_nope, q_pe, c_kv, k_pe, past: int) -> torch.Tensor:
+    def absorbed(self, q_nope, q_pe, c_kv, k_pe, mask: torch.Tensor | None) -> torch.Tensor:
         T, L = q_nope.shape[1], c_kv.shape[1]
         w = self.kv_b_proj.weight.view(self.H, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # (H, nope, rank), (H, v, rank)
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)  # the query, moved into latent space
         scores = torch.einsum("bthr,blr->bhtl", q_lat, c_kv) + torch.einsum("bthp,blp->bhtl", q_pe, k_pe)
-        scores = (at_least_fp32(scores) * self.scale).masked_fill(~self._mask(T, L, scores.device), float("-inf"))
+        if mask is None:
+            mask = causal_mask(T, L, scores.device)[None]
+        scores = (at_least_fp32(scores) * self.scale).masked_fill(~mask[:, None], float("-inf"))
         p = torch.softmax(scores, dim=-1).to(c_kv.dtype)
         ctx = torch.einsum("bhtl,blr->bthr", p, c_kv)  # attention-weighted latents
         return torch.einsum("bthr,hvr->bthv", ctx, w_uv)
