@@ -1,0 +1,1 @@
+"""Serving: one paged memory pool, prefix cache, scheduler and engine (SPEC §3)."""

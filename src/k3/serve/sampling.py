@@ -1,0 +1,181 @@
+"""Per-request sampling for the serving engine: parameters, the batched sampler and stop strings.
+
+Every row of a batch carries its own SamplingParams and its own torch.Generator, so a seeded request
+draws the same tokens whatever else shares its batch and wherever it sits in it.
+
+Shape suffixes: B rows in the batch, S rows that sample (temperature > 0), V vocabulary.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    temperature 0 is greedy; top_k 0 or -1 is off; top_p 1 is off. stop strings end the output before
+    the string (it is never returned); stop_token_ids and eos end it after the token (the engine does
+    not detokenise it). max_tokens counts generated tokens. seed makes the request reproducible.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        p = self.top_p
+        if not isinstance(p, int | float) or isinstance(p, bool) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= 1, or 0 or -1 for off, got {self.top_k!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        # frozen dataclass: normalise list inputs to tuples so params stay hashable and immutable
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, list | tuple) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator seeded for one request, on the device its logits live on; None (global RNG) without a seed."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def filtered_probs(logits_SV: torch.Tensor, top_k_S: torch.Tensor, top_p_S: torch.Tensor) -> torch.Tensor:
+    """(S, V) fp32 logits already divided by temperature -> (S, V) probabilities after top-k, then top-p.
+
+    top_k_S (S,) int64 in [1, V]; top_p_S (S,) fp32 in (0, 1]. Top-p keeps the smallest set of most
+    likely tokens (of the top-k renormalised distribution) whose mass reaches top_p; the first always
+    stays. Ties are broken by vocabulary index, as argmax does, so top_k=1 is exactly greedy.
+    """
+    V = logits_SV.shape[-1]
+    sorted_SV, order_SV = logits_SV.sort(dim=-1, descending=True, stable=True)
+    drop_SV = torch.arange(V, device=logits_SV.device) >= top_k_S[:, None]
+    sorted_p_SV = sorted_SV.masked_fill(drop_SV, -math.inf).softmax(dim=-1)
+    # drop a token once the mass before it already reaches top_p; rows with top_p = 1 skip this, since
+    # an fp32 cumsum can reach 1.0 early and would cut a tail that top_p = 1 promises to keep
+    mass_before_SV = sorted_p_SV.cumsum(dim=-1) - sorted_p_SV
+    drop_SV |= (mass_before_SV >= top_p_S[:, None]) & (top_p_S < 1)[:, None]
+    keep_SV = torch.zeros_like(drop_SV).scatter(-1, order_SV, ~drop_SV)
+    return logits_SV.masked_fill(~keep_SV, -math.inf).softmax(dim=-1)
+
+
+def sample(
+    logits_BV: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """logits (B, V), any float dtype -> token ids (B,) int64, each row with its own params and generator.
+
+    Greedy rows are argmax and use no randomness. Sampled rows: logits / temperature in fp32, top-k,
+    top-p (vectorised over rows), then one multinomial draw per row: rows with a generator draw
+    alone from it (so a seeded row never depends on its neighbours); rows without one share a single
+    draw from torch's global RNG.
+    """
+    B, V = logits_BV.shape
+    if len(params) != B or len(generators) != B:
+        raise ValueError(
+            f"need one SamplingParams and one generator per row: B={B}, got {len(params)} and {len(generators)}"
+        )
+    tokens_B = logits_BV.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens_B
+    device = logits_BV.device
+    rows_S = torch.tensor(rows, device=device)
+    temperature_S = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device)
+    top_k_S = torch.tensor([params[i].top_k if params[i].top_k > 0 else V for i in rows], device=device).clamp(max=V)
+    top_p_S = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
+    probs_SV = filtered_probs(logits_BV[rows_S].float() / temperature_S[:, None], top_k_S, top_p_S)
+
+    drawn_S = torch.empty(len(rows), dtype=torch.long, device=device)
+    shared = [j for j, i in enumerate(rows) if generators[i] is None]
+    if shared:
+        shared_t = torch.tensor(shared, device=device)
+        drawn_S[shared_t] = torch.multinomial(probs_SV[shared_t], 1).squeeze(-1)
+    for j, i in enumerate(rows):
+        if generators[i] is not None:
+            drawn_S[j] = torch.multinomial(probs_SV[j], 1, generator=generators[i])[0]
+    tokens_B[rows_S] = drawn_S
+    return tokens_B
+
+
+class StopChecker:
+    """Stop strings for detokenised streaming.
+
+    Call update(text) after each step with the whole text generated so far; it returns (finished,
+    delta): delta is the new text that is now safe to send. Two rules make a stream never show any
+    part of a stop string, even one split across tokens:
+
+    - the output ends just before the first stop string to appear (finished=True; generation stops
+      there, and the stop string itself is never emitted; if one update shows several, the one that
+      starts earliest wins);
+    - a tail of the text that could still grow into a stop string (a proper prefix of one) is held
+      back until a later update shows it does not.
+
+    When generation ends for another reason (eos, max_tokens), call update(text, final=True): nothing
+    can follow, so the held-back tail is released. The text must only grow by appending (hold back
+    unfinished UTF-8 before calling). With no stop strings everything is emitted at once.
+    """
+
+    def __init__(self, stop: Sequence[str] = ()) -> None:
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+        self.stop = stop
+        self.max_len = max((len(s) for s in stop), default=0)
+        self.num_emitted = 0  # characters of the text already returned
+        self.finished = False
+        self.matched: str | None = None  # the stop string that ended the output
+
+    def update(self, text: str, final: bool = False) -> tuple[bool, str]:
+        if self.finished:
+            return True, ""
+        start = self.num_emitted
+        # everything before num_emitted was proven free of stop strings and of their starts, so any
+        # occurrence starts at or after it; the earliest one across all stop strings wins
+        hits = [(i, s) for s in self.stop if (i := text.find(s, start)) >= 0]
+        if hits:
+            end, self.matched = min(hits, key=lambda h: h[0])
+            self.finished = True
+        else:
+            end = len(text) if final else self._safe_end(text, start)
+        self.num_emitted = max(start, end)
+        return self.finished, text[start:end]
+
+    def _safe_end(self, text: str, start: int) -> int:
+        """The first position from which the rest of the text is a proper prefix of a stop string."""
+        for p in range(max(start, len(text) - self.max_len + 1), len(text)):
+            tail = text[p:]
+            if any(s.startswith(tail) for s in self.stop):
+                return p
+        return len(text)

@@ -1,0 +1,132 @@
+"""One request as the engine tracks it: its tokens, how far its cache has got, its pages and its status."""
+
+import enum
+import time
+
+import torch
+
+from k3.serve.sampling import SamplingParams, make_generator
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()  # queued, holds no pages
+    RUNNING = enum.auto()  # scheduled, holds pages
+    PREEMPTED = enum.auto()  # pages taken back; will be recomputed from its tokens
+    FINISHED = enum.auto()
+
+
+class FinishReason(str, enum.Enum):
+    """The OpenAI `finish_reason` values."""
+
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+def _check_token_ids(token_ids: list[int], what: str) -> None:
+    for i, t in enumerate(token_ids):
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"{what} must be non-negative ints, got {t!r} at position {i}")
+
+
+class Sequence:
+    """One request: prompt and output tokens, sampling state, cache progress and page tables.
+
+    num_computed_tokens counts tokens whose MLA latents and KDA state are in the cache (chunked
+    prefill advances it chunk by chunk); num_cached_tokens is how many prompt tokens came from the
+    prefix cache, reported in usage. latent_pages is the MLA latent page table (page i holds tokens
+    [i·P, (i+1)·P)); state_pages holds one page per KDA layer group. output_text is kept by the engine.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt is empty")
+        _check_token_ids(prompt_token_ids, "prompt token ids")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params if params is not None else SamplingParams()
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # made once per request and never reset: after a recompute the next draw continues the stream
+        self.generator = make_generator(self.params.seed, device)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.latent_pages: list[int] = []
+        self.state_pages: list[int] = []
+        self.output_text = ""
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Tokens not yet in the cache: the rest of the prompt while prefilling, 1 while decoding (the
+        last sampled token), everything after a recompute."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def append_token(self, token_id: int, eos_token_id: int | None = None) -> FinishReason | None:
+        """Add a sampled token; finish (and return why) on eos unless ignore_eos, on a stop token id, or
+        at max_tokens. The eos or stop token is kept in output_token_ids (usage counts it)."""
+        if self.is_finished:
+            raise RuntimeError(f"request {self.request_id!r} is finished ({self.finish_reason}); cannot append")
+        _check_token_ids([token_id], "token ids")
+        self.output_token_ids.append(token_id)
+        p = self.params
+        if (not p.ignore_eos and token_id == eos_token_id) or token_id in p.stop_token_ids:
+            self.finish(FinishReason.STOP)
+        elif self.num_output_tokens >= p.max_tokens:
+            self.finish(FinishReason.LENGTH)
+        return self.finish_reason
+
+    def finish(self, reason: FinishReason) -> None:
+        """Mark finished. The first reason sticks: an abort that arrives after a stop changes nothing."""
+        if not self.is_finished:
+            self.status, self.finish_reason = SequenceStatus.FINISHED, reason
+
+    def reset_for_recompute(self) -> list[int]:
+        """Preempt by recompute: drop every page and all cache progress, keep the tokens (output tokens
+        become part of what is prefilled again). Returns the dropped pages, latent then state, for the
+        caller to release. num_cached_tokens keeps the first admission's hit, which is what usage reports."""
+        if self.is_finished:
+            raise RuntimeError(f"request {self.request_id!r} is finished; nothing to recompute")
+        dropped = self.latent_pages + self.state_pages
+        self.latent_pages, self.state_pages = [], []
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.PREEMPTED
+        return dropped

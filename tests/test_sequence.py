@@ -1,0 +1,94 @@
+"""Serving Sequence: token bookkeeping, why a request finishes, preemption by recompute, validation."""
+
+import pytest
+
+from k3.serve.sampling import SamplingParams
+from k3.serve.sequence import FinishReason, Sequence, SequenceStatus
+
+EOS = 2
+
+
+def test_token_bookkeeping():
+    seq = Sequence("r0", [5, 6, 7], SamplingParams(max_tokens=4), arrival_time=1.5)
+    assert seq.status == SequenceStatus.WAITING and seq.finish_reason is None and seq.arrival_time == 1.5
+    assert seq.num_prompt_tokens == 3 and seq.num_output_tokens == 0 and seq.last_token_id == 7
+    assert seq.remaining_prefill == 3 and seq.generator is None
+    seq.num_computed_tokens = 3
+    assert seq.append_token(9, EOS) is None
+    assert seq.all_token_ids == [5, 6, 7, 9] and seq.num_tokens == 4 and seq.last_token_id == 9
+    assert seq.remaining_prefill == 1  # the sampled token is not in the cache yet
+    assert Sequence("r1", [1], SamplingParams(seed=3)).generator.initial_seed() == 3
+    assert FinishReason.LENGTH == "length" and FinishReason.STOP.value == "stop"
+
+
+def test_finish_on_eos():
+    seq = Sequence("r", [1, 3], SamplingParams(max_tokens=10))
+    assert seq.append_token(4, EOS) is None
+    assert seq.append_token(EOS, EOS) == FinishReason.STOP
+    assert seq.is_finished and seq.status == SequenceStatus.FINISHED and seq.output_token_ids == [4, EOS]
+    with pytest.raises(RuntimeError, match="is finished"):
+        seq.append_token(4, EOS)
+
+
+def test_ignore_eos_runs_to_length():
+    seq = Sequence("r", [1], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [seq.append_token(EOS, EOS) for _ in range(3)] == [None, None, FinishReason.LENGTH]
+    assert seq.finish_reason == FinishReason.LENGTH
+
+
+def test_stop_token_ids():
+    seq = Sequence("r", [1], SamplingParams(max_tokens=5, stop_token_ids=[11, 12], ignore_eos=True))
+    assert seq.append_token(10, None) is None
+    assert seq.append_token(12, None) == FinishReason.STOP
+
+
+def test_max_tokens_and_no_eos_id():
+    seq = Sequence("r", [1], SamplingParams(max_tokens=2))
+    assert seq.append_token(EOS, None) is None  # no eos id given: eos is an ordinary token
+    assert seq.append_token(3, None) == FinishReason.LENGTH
+
+
+def test_finish_first_reason_sticks():
+    seq = Sequence("r", [1])
+    seq.finish(FinishReason.ABORT)
+    seq.finish(FinishReason.STOP)
+    assert seq.finish_reason == FinishReason.ABORT and seq.is_finished
+
+
+def test_reset_for_recompute():
+    seq = Sequence("r", [1, 2, 3, 4], SamplingParams(max_tokens=8))
+    seq.status, seq.num_computed_tokens, seq.num_cached_tokens = SequenceStatus.RUNNING, 4, 2
+    seq.latent_pages, seq.state_pages = [3, 8], [5, 6, 7]
+    seq.append_token(9, EOS)
+    seq.num_computed_tokens = 5
+
+    assert seq.reset_for_recompute() == [3, 8, 5, 6, 7]
+    assert seq.latent_pages == [] and seq.state_pages == []
+    assert seq.num_computed_tokens == 0 and seq.status == SequenceStatus.PREEMPTED
+    assert seq.all_token_ids == [1, 2, 3, 4, 9] and seq.remaining_prefill == 5  # output is recomputed too
+    assert seq.num_cached_tokens == 2
+    assert seq.reset_for_recompute() == []
+    seq.finish(FinishReason.ABORT)
+    with pytest.raises(RuntimeError, match="nothing to recompute"):
+        seq.reset_for_recompute()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([], "prompt is empty"),
+        ([1, -1], r"prompt token ids must be non-negative ints, got -1 at position 1"),
+        ([1, 2.0], "prompt token ids must be non-negative ints, got 2.0"),
+        ([True], "prompt token ids must be non-negative ints"),
+    ],
+)
+def test_validation(prompt, message):
+    with pytest.raises(ValueError, match=message):
+        Sequence("r", prompt)
+
+
+def test_append_validates_token():
+    seq = Sequence("r", [1])
+    with pytest.raises(ValueError, match="token ids must be non-negative ints"):
+        seq.append_token(-3, EOS)
+    assert seq.output_token_ids == []
