@@ -204,7 +204,14 @@ class PagePool:
         pages = [self._free.pop() for _ in range(min(n, len(self._free)))]
         for page in pages:
             self._refcount[page] = 1
-        for _ in range(n - len(pages)):
+        while len(pages) < n:
+            # on_evict may drop the keys of sibling pages (a checkpoint is evicted whole), which moves
+            # them from the LRU to the free list: take those before evicting anything more
+            if self._free:
+                page = self._free.pop()
+                self._refcount[page] = 1
+                pages.append(page)
+                continue
             page, _ = self._lru.popitem(last=False)
             key = self._keys.pop(page)
             del self._released_at[page]

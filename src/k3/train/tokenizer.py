@@ -30,8 +30,8 @@ class K3Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts)]
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
     def save(self, path: str | Path) -> None:
         self.tok.save(str(path))

@@ -1,0 +1,166 @@
+"""The engine: step() = schedule → run → postprocess, as nano-vllm's.
+
+One page pool (MLA latents and KDA states), the prefix cache with KDA checkpoints, the scheduler and
+the model runner. `add_request` takes a prompt (text or token ids) and SamplingParams; every step
+returns the new text and tokens of the requests that advanced.
+"""
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.model.model import K3Model
+from k3.serve.model_runner import ModelRunner
+from k3.serve.pool import PageLayout, PagePool
+from k3.serve.prefix_cache import PrefixCache
+from k3.serve.sampling import SamplingParams, StopChecker, sample
+from k3.serve.scheduler import Scheduler, SchedulerConfig
+from k3.serve.sequence import FinishReason, Sequence
+
+log = logging.getLogger("k3.serve")
+
+
+@dataclass
+class EngineConfig:
+    memory_budget: int | None = None  # bytes for the page pool; or num_pages
+    num_pages: int | None = None
+    enable_prefix_caching: bool = True
+    hash_block_pages: int = 1  # prefix-cache unit, in latent pages (page_tokens tokens each)
+    checkpoint_interval_units: int = 4  # store a KDA checkpoint every this many units (and at prompt ends)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if (self.memory_budget is None) == (self.num_pages is None):
+            raise ValueError("give exactly one of memory_budget (bytes) and num_pages")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, model: K3Model, tokenizer, config: EngineConfig):
+        self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        self.layout = PageLayout.from_config(model.config)
+        if config.num_pages is not None:
+            self.pool = PagePool(self.layout, config.num_pages, device=device, dtype=dtype)
+        else:
+            self.pool = PagePool.from_budget(self.layout, config.memory_budget, device=device, dtype=dtype)
+        self.cache = None
+        if config.enable_prefix_caching:
+            block = config.hash_block_pages * self.layout.page_tokens
+            self.cache = PrefixCache(self.pool, block, block * config.checkpoint_interval_units)
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.cache)
+        self.runner = ModelRunner(model, self.pool)
+        self.seqs: dict[str, Sequence] = {}
+        self.stops: dict[str, StopChecker] = {}
+        self._ids = itertools.count()
+        self.eos_id = getattr(tokenizer, "eos_id", None)
+        log.info("k3 engine: %s", self.pool.describe())
+
+    def describe(self) -> str:
+        return self.pool.describe()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:  # fmt: skip
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if max(ids, default=0) >= self.model.config.vocab_size:
+            raise ValueError(f"token id {max(ids)} is outside the vocabulary ({self.model.config.vocab_size})")
+        seq = Sequence(request_id, ids, params, device=self.pool.storage.device)
+        self.scheduler.add(seq)  # may raise Overloaded or ValueError; nothing is stored then
+        self.seqs[request_id] = seq
+        self.stops[request_id] = StopChecker(params.stop)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        seq.finish(FinishReason.ABORT)
+        self.seqs.pop(request_id, None)
+        self.stops.pop(request_id, None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ---- one step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        sampled: list[tuple[Sequence, torch.Tensor]] = []
+        for chunk in batch.prefill:
+            logits = self.runner.prefill(chunk.seq, chunk.num_tokens)
+            if self.cache is not None:
+                self.cache.commit_latents(chunk.seq)
+                if chunk.checkpoint:
+                    self.cache.store_checkpoint(chunk.seq, chunk.seq.num_computed_tokens)
+            if chunk.seq.num_computed_tokens == chunk.seq.num_tokens:
+                sampled.append((chunk.seq, logits))
+        if batch.decode:
+            logits = self.runner.decode(batch.decode)
+            sampled += list(zip(batch.decode, logits, strict=True))
+        outputs = self._postprocess(sampled)
+        self.scheduler.step_seconds = 0.9 * self.scheduler.step_seconds + 0.1 * (time.perf_counter() - t0)
+        return outputs
+
+    def _postprocess(self, sampled: list[tuple[Sequence, torch.Tensor]]) -> list[RequestOutput]:
+        if not sampled:
+            return []
+        seqs = [s for s, _ in sampled]
+        tokens = sample(torch.stack([l for _, l in sampled]), [s.params for s in seqs], [s.generator for s in seqs])
+        outputs = []
+        for seq, token in zip(seqs, tokens.tolist(), strict=True):
+            reason = seq.append_token(token, self.eos_id)
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special=True)
+            if reason is None:
+                # a multi-byte character split across tokens decodes as U+FFFD until its last byte arrives
+                text = text.rstrip("\ufffd")
+            stop = self.stops[seq.request_id]
+            hit, new_text = stop.update(text, final=reason is not None)
+            if hit and reason is None:
+                seq.finish(FinishReason.STOP)
+            seq.output_text += new_text
+            if seq.is_finished:
+                if self.cache is not None:
+                    self.cache.commit_latents(seq)
+                self.scheduler.remove(seq)
+                self.seqs.pop(seq.request_id, None)
+                self.stops.pop(seq.request_id, None)
+            outputs.append(RequestOutput(
+                seq.request_id, new_text, [token], seq.is_finished,
+                seq.finish_reason.value if seq.finish_reason else None, seq.num_prompt_tokens,
+                seq.num_output_tokens, seq.num_cached_tokens,
+            ))  # fmt: skip
+        return outputs
+
+    def metrics(self) -> dict:
+        stats = self.cache.stats.as_dict() if self.cache is not None else {}
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "pages_free": self.pool.num_free,
+            "pages_evictable": self.pool.num_evictable,
+            "pages_used": self.pool.num_used,
+            "preemptions": self.scheduler.num_preemptions,
+            **stats,
+        }

@@ -1,0 +1,76 @@
+"""The offline interface: `LLM(ckpt).generate(prompts, SamplingParams(...))`, and a streaming iterator."""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.sampling import SamplingParams
+from k3.serve.scheduler import SchedulerConfig
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt: str | list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class LLM:
+    """A checkpoint (run folder or step folder) behind the engine.
+
+    memory_budget: bytes for the page pool (default 256 MiB); other keywords go to SchedulerConfig.
+    """
+
+    def __init__(self, ckpt: str, memory_budget: int = 256 << 20, enable_prefix_caching: bool = True,
+                 device: str = "cpu", **scheduler_kwargs):  # fmt: skip
+        from k3.train.checkpoint import load_for_inference
+
+        model, self.tokenizer = load_for_inference(ckpt, device=device)
+        self.engine = LLMEngine(
+            model, self.tokenizer,
+            EngineConfig(memory_budget=memory_budget, enable_prefix_caching=enable_prefix_caching,
+                         scheduler=SchedulerConfig(**scheduler_kwargs)),
+        )  # fmt: skip
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:  # fmt: skip
+        """Run every prompt to completion, batched by the engine; results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        done: dict[str, Completion] = {}
+        texts = {i: [] for i in ids}
+        tokens = {i: [] for i in ids}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                texts[out.request_id].append(out.new_text)
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    done[out.request_id] = Completion(
+                        out.request_id, None, "".join(texts[out.request_id]), tokens[out.request_id],
+                        out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
+                    )  # fmt: skip
+        return [Completion(**{**done[i].__dict__, "prompt": p}) for i, p in zip(ids, prompts, strict=True)]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one request as it is generated (other queued requests advance too)."""
+        request_id = self.engine.add_request(prompt, params)
+        try:
+            while True:
+                finished = False
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        if out.new_text:
+                            yield out.new_text
+                        finished = out.finished
+                if finished or request_id not in self.engine.seqs:
+                    return
+        finally:
+            self.engine.abort(request_id)  # a consumer that stops early frees the request's pages

@@ -1,0 +1,214 @@
+"""Admission and scheduling (SPEC §3): continuous batching with chunked prefill under a per-step token
+budget, budget-based and cache-aware admission, a bounded waiting queue, preemption by recompute.
+
+A request's cost is counted in pages before it is admitted: its KDA state pages plus the latent
+pages of its prompt and of `reserve_output_fraction` of its max_tokens. Admitted requests therefore
+normally finish without running out of pages; if they do (reservation below 1, or pages taken by
+checkpoints in between), the newest running request is preempted: its pages are released and it
+is recomputed from its tokens later. The pool is never exceeded: every page comes from
+PagePool.allocate, which refuses rather than overcommits.
+"""
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from k3.serve.pool import OutOfPages, PagePool
+from k3.serve.sequence import Sequence, SequenceStatus
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full; retry after `retry_after` seconds (an estimate)."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running requests at once
+    max_batched_tokens: int = 512  # tokens computed per step: decodes + prefill chunks
+    max_waiting_requests: int = 256
+    max_waiting_tokens: int = 1 << 20  # prompt tokens waiting
+    reserve_output_fraction: float = 1.0  # share of max_tokens reserved in pages at admission
+    max_wait_s: float = 10.0  # past this a waiting request goes first, whatever its cached prefix
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    num_tokens: int
+    checkpoint: bool  # the chunk ends at a checkpoint position: store the KDA state after it
+
+
+@dataclass
+class Batch:
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: PagePool, prefix_cache=None):
+        self.config, self.pool, self.cache = config, pool, prefix_cache
+        self.layout = pool.layout
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.step_seconds = 0.05  # running average of a step, for retry-after estimates
+        self.num_preemptions = 0
+
+    # ---- costs -------------------------------------------------------------------------------
+    def pages_needed(self, seq: Sequence) -> int:
+        """Pages the whole request may hold: KDA states + latents of its prompt and reserved output."""
+        reserved = math.ceil(seq.params.max_tokens * self.config.reserve_output_fraction)
+        return self.layout.n_kda + self.layout.latent_pages(seq.num_prompt_tokens + reserved)
+
+    def _outstanding(self) -> int:
+        """Pages running requests may still claim under their reservation."""
+        return sum(max(0, self.pages_needed(s) - len(s.latent_pages) - len(s.state_pages)) for s in self.running)
+
+    def check_fits(self, seq: Sequence) -> None:
+        if self.pages_needed(seq) > self.pool.num_pages:
+            raise ValueError(
+                f"request {seq.request_id} needs {self.pages_needed(seq)} pages ({seq.num_prompt_tokens} prompt + "
+                f"{seq.params.max_tokens} max tokens) but the pool has {self.pool.num_pages}: shorten it"
+            )
+
+    # ---- queue -------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
+        waiting_tokens = sum(s.num_prompt_tokens for s in self.waiting)
+        if (
+            len(self.waiting) >= self.config.max_waiting_requests
+            or waiting_tokens + seq.num_prompt_tokens > self.config.max_waiting_tokens
+        ):
+            # the queue drains about max_batched_tokens per step
+            retry = max(0.1, (waiting_tokens / max(1, self.config.max_batched_tokens)) * self.step_seconds)
+            raise Overloaded(
+                f"{len(self.waiting)} requests ({waiting_tokens} prompt tokens) are waiting; "
+                f"limits are {self.config.max_waiting_requests} and {self.config.max_waiting_tokens}",
+                retry_after=round(retry, 2),
+            )
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in [*self.waiting, *self.running]:
+            if seq.request_id == request_id:
+                self.remove(seq)
+                return seq
+        return None
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted request out and give its pages back (latents of full units stay
+        cached if the prefix cache registered them)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        pages = seq.latent_pages + seq.state_pages
+        seq.latent_pages, seq.state_pages = [], []
+        if pages:
+            self.pool.release(pages)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> Batch:
+        batch = Batch()
+        budget = self.config.max_batched_tokens
+        # 1. Decodes first: a running request with its prompt computed produces one token per step.
+        for seq in list(self.running):
+            if seq not in self.running or seq.remaining_prefill != 1:
+                continue
+            if budget < 1:
+                break
+            if self._grow(seq, seq.num_tokens, batch):
+                batch.decode.append(seq)
+                budget -= 1
+        # 2. Prefill chunks of running requests, then admissions, under what is left of the budget.
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.remaining_prefill > 1 and seq not in batch.decode:
+                budget -= self._prefill(seq, budget, batch)
+        for seq in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self._admit(seq):
+                break  # keep the order: a large request is not overtaken forever by small ones
+            budget -= self._prefill(seq, budget, batch)
+        return batch
+
+    def _admission_order(self) -> list[Sequence]:
+        """Cache-aware: requests whose prefix is cached cost less prefill and go first; a request that
+        has waited longer than max_wait_s goes before all of them."""
+        now = time.monotonic()
+
+        def cost(seq: Sequence) -> tuple:
+            overdue = now - seq.arrival_time > self.config.max_wait_s
+            cached = self.cache.match(seq.all_token_ids).resume_tokens if self.cache is not None else 0
+            return (not overdue, seq.status != SequenceStatus.PREEMPTED, seq.num_tokens - cached, seq.arrival_time)
+
+        return sorted(self.waiting, key=cost)
+
+    def _admit(self, seq: Sequence) -> bool:
+        need = self.pages_needed(seq)
+        if need + self._outstanding() > self.pool.available():
+            return False
+        try:
+            if self.cache is not None:
+                self.cache.acquire(seq, self.cache.match(seq.all_token_ids))
+            if not seq.state_pages:
+                seq.state_pages = self.pool.allocate(self.layout.n_kda)
+        except OutOfPages:
+            self._release(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            return False
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _prefill(self, seq: Sequence, budget: int, batch: Batch) -> int:
+        """Schedule the next prompt chunk of seq; it ends at the next checkpoint position if one comes
+        first, so the KDA state there can be stored without an extra pass. Returns tokens used."""
+        start = seq.num_computed_tokens
+        end = min(seq.num_tokens, start + budget)
+        checkpoint = False
+        if self.cache is not None:
+            for pos in self.cache.checkpoint_positions(seq.num_prompt_tokens):
+                if start < pos <= end:
+                    end, checkpoint = pos, True
+                    break
+        if end <= start or not self._grow(seq, end, batch):
+            return 0
+        batch.prefill.append(PrefillChunk(seq, end - start, checkpoint))
+        return end - start
+
+    def _grow(self, seq: Sequence, tokens: int, batch: Batch) -> bool:
+        """Make seq hold latent pages for `tokens` tokens, preempting the newest other running request
+        while the pool is short. False if seq itself had to be preempted."""
+        need = self.layout.latent_pages(tokens) - len(seq.latent_pages)
+        while need > 0:
+            try:
+                seq.latent_pages += self.pool.allocate(need)
+                return True
+            except OutOfPages:
+                victim = next((s for s in reversed(self.running) if s is not seq), seq)
+                self._preempt(victim, batch)
+                if victim is seq:
+                    return False
+        return True
+
+    def _preempt(self, seq: Sequence, batch: Batch) -> None:
+        self.running.remove(seq)
+        batch.decode = [s for s in batch.decode if s is not seq]
+        batch.prefill = [c for c in batch.prefill if c.seq is not seq]
+        self.pool.release(seq.reset_for_recompute())
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        self.num_preemptions += 1
