@@ -114,20 +114,25 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Continue a prompt with a checkpoint."""
-    from k3.model import generate
-    from k3.train.checkpoint import load_for_inference
+    """Continue a prompt with a checkpoint, through the serving engine."""
+    from k3.serve.llm import LLM
+    from k3.serve.sampling import SamplingParams
 
     try:
-        model, tokenizer = load_for_inference(args.ckpt)
-        ids = tokenizer.encode(args.prompt)
-        if not ids:
+        if not args.prompt:
             raise ValueError("the prompt is empty")
-        out = generate(model, torch.tensor([ids]), args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                       seed=args.seed, eos_token_id=tokenizer.eos_id)  # fmt: skip
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                                seed=args.seed)  # fmt: skip
+        llm = LLM(args.ckpt)
+        if args.stream:
+            print(args.prompt, end="", flush=True)
+            for text in llm.stream(args.prompt, params):
+                print(text, end="", flush=True)
+            print()
+        else:
+            print(args.prompt + llm.generate(args.prompt, params)[0].text)
     except USER_ERRORS as e:
         return _fail("generate", e)
-    print(tokenizer.decode(out[0].tolist()))
     return 0
 
 
@@ -235,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
     gen.set_defaults(func=cmd_generate)
 
     plot = sub.add_parser("plot", help="draw a run's loss and MaxVio curves to PNG")
