@@ -12,6 +12,7 @@ pool, so the same layer code serves the plain cache and the paged one:
 
 import torch
 
+from k3.model.mla import GatedMLA
 from k3.model.model import K3Model
 from k3.serve.pool import PagePool
 
@@ -89,6 +90,13 @@ class ModelRunner:
         self.model, self.pool = model.eval(), pool
         self.config = model.config
         self.device = pool.storage.device
+        self.mla = [m for m in model.modules() if isinstance(m, GatedMLA)]
+
+    def _mla_path(self, impl: str) -> None:
+        """Prefill chunks materialise per-head keys and values once for many queries ("naive"); a decode
+        step has one query per sequence, so it attends to the cached latents directly ("absorbed")."""
+        for m in self.mla:
+            m.impl = impl
 
     def _cache(self, seqs: list, past: list[int]) -> PagedCache:
         past_t = torch.tensor(past, device=self.device)
@@ -119,6 +127,7 @@ class ModelRunner:
         if start == 0:
             self.reset_state(seq)
         ids = torch.tensor([seq.all_token_ids[start : start + num_tokens]], device=self.device)
+        self._mla_path("naive")
         logits = self.model(ids, cache=self._cache([seq], [start])).logits[0, -1]
         seq.num_computed_tokens = start + num_tokens
         return logits
@@ -127,6 +136,7 @@ class ModelRunner:
     def decode(self, seqs: list) -> torch.Tensor:
         """One step for sequences whose every token but the last is computed; returns logits (B, vocab)."""
         ids = torch.tensor([[s.all_token_ids[-1]] for s in seqs], device=self.device)
+        self._mla_path("absorbed")
         logits = self.model(ids, cache=self._cache(seqs, [s.num_tokens - 1 for s in seqs])).logits[:, -1]
         for s in seqs:
             s.num_computed_tokens = s.num_tokens
