@@ -54,7 +54,7 @@ def test_chunked_prefill_and_batched_decode_match_uncached():
     pool.kda_states()[:] = 7.0  # stale data from earlier requests must not leak into new ones
 
     def reference(seq: Seq) -> torch.Tensor:
-        runner._mla_path("naive")
+        assert {m.impl for m in runner.mla} == {"naive"}  # the runner restores the configured path
         with torch.no_grad():
             return model(torch.tensor([seq.all_token_ids])).logits[0, -1]
 

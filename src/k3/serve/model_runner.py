@@ -10,6 +10,8 @@ pool, so the same layer code serves the plain cache and the paged one:
   longest, with the mask that hides the padding and keeps attention causal.
 """
 
+import contextlib
+
 import torch
 
 from k3.model.mla import GatedMLA
@@ -92,11 +94,18 @@ class ModelRunner:
         self.device = pool.storage.device
         self.mla = [m for m in model.modules() if isinstance(m, GatedMLA)]
 
-    def _mla_path(self, impl: str) -> None:
+    @contextlib.contextmanager
+    def _mla_path(self, impl: str):
         """Prefill chunks materialise per-head keys and values once for many queries ("naive"); a decode
-        step has one query per sequence, so it attends to the cached latents directly ("absorbed")."""
+        step has one query per sequence, so it attends to the cached latents directly ("absorbed").
+        The model is shared: its configured path is restored afterwards."""
         for m in self.mla:
             m.impl = impl
+        try:
+            yield
+        finally:
+            for m in self.mla:
+                m.impl = self.config.mla_impl
 
     def _cache(self, seqs: list, past: list[int]) -> PagedCache:
         past_t = torch.tensor(past, device=self.device)
@@ -127,8 +136,8 @@ class ModelRunner:
         if start == 0:
             self.reset_state(seq)
         ids = torch.tensor([seq.all_token_ids[start : start + num_tokens]], device=self.device)
-        self._mla_path("naive")
-        logits = self.model(ids, cache=self._cache([seq], [start])).logits[0, -1]
+        with self._mla_path("naive"):
+            logits = self.model(ids, cache=self._cache([seq], [start])).logits[0, -1]
         seq.num_computed_tokens = start + num_tokens
         return logits
 
@@ -136,8 +145,8 @@ class ModelRunner:
     def decode(self, seqs: list) -> torch.Tensor:
         """One step for sequences whose every token but the last is computed; returns logits (B, vocab)."""
         ids = torch.tensor([[s.all_token_ids[-1]] for s in seqs], device=self.device)
-        self._mla_path("absorbed")
-        logits = self.model(ids, cache=self._cache(seqs, [s.num_tokens - 1 for s in seqs])).logits[:, -1]
+        with self._mla_path("absorbed"):
+            logits = self.model(ids, cache=self._cache(seqs, [s.num_tokens - 1 for s in seqs])).logits[:, -1]
         for s in seqs:
             s.num_computed_tokens = s.num_tokens
         return logits
