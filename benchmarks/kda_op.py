@@ -15,32 +15,20 @@ Achieved GFLOP/s comes from an explicit count of the matmuls the chunked forward
 
 import argparse
 import datetime
-import importlib.util
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate, naive_recurrent_kda
+from k3.ops.kda.backend import fla_naive
 from k3.ops.kda.chunk import SUB
 
 SLOW_S = 2.0  # measurements slower than this per call get fewer repeats
 MAX_AUTOGRAD_T = 4096  # autograd through the per-token loop keeps ~3 states per token: 13 GB at 16K
-
-
-def load_fla_naive():
-    spec = importlib.util.find_spec("fla")
-    if spec is None or importlib.util.find_spec("einops") is None:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "ops" / "kda" / "naive.py"
-    naive_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
-    module = importlib.util.module_from_spec(naive_spec)
-    naive_spec.loader.exec_module(module)
-    return module
 
 
 def timed(fn, repeats: int) -> float:
@@ -161,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.T, args.repeats = [1024], 3
     torch.set_num_threads(args.threads)
-    fla = load_fla_naive()
+    fla = fla_naive()
     if fla is None:
         print(
             "fla not installed: its columns stay empty (pip install --no-deps flash-linear-attention==0.6.0 "

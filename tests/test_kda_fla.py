@@ -4,13 +4,12 @@ CUDA. Skipped cleanly when fla (or a GPU) is not there."""
 import pytest
 import torch
 
-from fla_reference import load_fla_naive
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, naive_recurrent_kda
-from k3.ops.kda.backend import fla_kda
+from k3.ops.kda.backend import fla_kda, fla_naive
 from kda_inputs import grads_of, make_inputs, random_state, rel_rms
 
-fla_naive = load_fla_naive()
-needs_fla = pytest.mark.skipif(fla_naive is None, reason="flash-linear-attention is not installed")
+FLA = fla_naive()
+needs_fla = pytest.mark.skipif(FLA is None, reason="flash-linear-attention is not installed")
 needs_cuda_fla = pytest.mark.skipif(
     not torch.cuda.is_available() or fla_kda() is None, reason="needs a CUDA device and fla's Triton kernels"
 )
@@ -23,7 +22,7 @@ def test_chunk_matches_fla_naive_recurrent(T):
     q, k, v, g, beta = make_inputs(2, T, 2, 32, 16, dtype=torch.float32)
     h0 = random_state(2, 2, 32, 16, dtype=torch.float32)
     o, S = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    ref_o, ref_S = fla_naive.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    ref_o, ref_S = FLA.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     assert rel_rms(o, ref_o) < 1e-5 and rel_rms(S, ref_S) < 1e-5
 
 
@@ -32,7 +31,7 @@ def test_chunk_matches_fla_naive_chunk_with_gva():
     q, k, v, g, beta = make_inputs(1, 128, 2, 32, 16, HV=4, dtype=torch.float32)
     h0 = random_state(1, 4, 32, 16, dtype=torch.float32)
     o, S = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    ref_o, ref_S = fla_naive.naive_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    ref_o, ref_S = FLA.naive_chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     assert rel_rms(o, ref_o) < 1e-5 and rel_rms(S, ref_S) < 1e-5
 
 
@@ -41,7 +40,7 @@ def test_reference_matches_fla_reference():
     """Our per-timestep reference and fla's are the same recurrence."""
     q, k, v, g, beta = make_inputs(1, 50, 3, 16, 24, dtype=torch.float32)
     o, S = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
-    ref_o, ref_S = fla_naive.naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
+    ref_o, ref_S = FLA.naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
     assert rel_rms(o, ref_o) < 1e-6 and rel_rms(S, ref_S) < 1e-6
 
 

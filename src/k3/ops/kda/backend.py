@@ -6,7 +6,9 @@ path is always available and can be forced, which is how tests compare the two.
 """
 
 import functools
+import importlib.util
 import os
+from pathlib import Path
 
 import torch
 
@@ -38,3 +40,20 @@ def resolve(backend: str | None, x: torch.Tensor) -> str:
         if fla_kda() is None:
             raise ValueError("backend 'fla' needs flash-linear-attention (pip install flash-linear-attention)")
     return choice
+
+
+@functools.cache
+def fla_naive():
+    """fla's pure-PyTorch KDA references (fla/ops/kda/naive.py: naive_recurrent_kda, naive_chunk_kda),
+    loaded from the file so that Triton, which `import fla.ops` pulls in, is not needed. None when
+    flash-linear-attention or einops is not installed. Tests and benchmarks compare against these."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("einops") is None:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "ops" / "kda" / "naive.py"
+    if not path.exists():
+        return None
+    naive_spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
+    module = importlib.util.module_from_spec(naive_spec)
+    naive_spec.loader.exec_module(module)
+    return module
