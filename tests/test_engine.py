@@ -5,24 +5,19 @@ import random
 import pytest
 import torch
 
-from k3 import K3Config, K3Model, generate
+from k3 import K3Model, generate
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import Overloaded, SchedulerConfig
 from k3.train.tokenizer import byte_tokenizer
+from tiny_models import tiny_model
 
 TOK = byte_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def model() -> K3Model:
-    torch.manual_seed(0)
-    m = K3Model(K3Config.from_preset("tiny", vocab_size=TOK.vocab_size)).double()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "_res_proj" in name:
-                p.normal_(std=0.5)
-    return m.eval()
+    return tiny_model(vocab_size=TOK.vocab_size)
 
 
 def engine(model, num_pages=400, caching=True, **sched) -> LLMEngine:

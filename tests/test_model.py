@@ -4,20 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3 import K3Cache, K3Config, K3Model, generate
+from k3 import K3Cache, generate
+from tiny_models import tiny_model as shared_tiny_model
 
 
-def tiny_model(seed: int = 0, **overrides) -> K3Model:
-    torch.manual_seed(seed)
-    model = K3Model(K3Config.from_preset("tiny", **overrides)).double()
-    with torch.no_grad():  # make the zero-initialised AttnRes queries and router bias matter
-        for name, p in model.named_parameters():
-            if "_res_proj" in name:
-                p.normal_(std=0.5)
-        for layer in model.model.layers:
-            if hasattr(layer, "block_sparse_moe"):
-                layer.block_sparse_moe.gate.e_score_correction_bias.normal_(std=0.05)
-    return model.eval()
+def tiny_model(seed: int = 0, **overrides):
+    return shared_tiny_model(seed, router_bias_std=0.05, **overrides)
 
 
 @pytest.mark.parametrize("impl", ["naive", "absorbed"])

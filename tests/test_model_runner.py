@@ -5,9 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3 import K3Config, K3Model
 from k3.serve.model_runner import ModelRunner
 from k3.serve.pool import PageLayout, PagePool
+from tiny_models import tiny_model
 
 
 @dataclass
@@ -24,16 +24,6 @@ class Seq:
         return len(self.all_token_ids)
 
 
-def tiny_model(impl: str) -> K3Model:
-    torch.manual_seed(0)
-    model = K3Model(K3Config.from_preset("tiny", mla_impl=impl)).double()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "_res_proj" in name:
-                p.normal_(std=0.5)
-    return model.eval()
-
-
 def grow(pool: PagePool, seq: Seq, tokens: int) -> None:
     """Give seq enough latent pages for `tokens` tokens (what the scheduler does)."""
     need = pool.layout.latent_pages(tokens) - len(seq.latent_pages)
@@ -44,7 +34,7 @@ def grow(pool: PagePool, seq: Seq, tokens: int) -> None:
 def test_chunked_prefill_and_batched_decode_match_uncached():
     """The runner prefills with the naive MLA path and decodes with the absorbed one; the reference is
     the uncached forward with the naive path."""
-    model = tiny_model("naive")
+    model = tiny_model(mla_impl="naive")
     layout = PageLayout.from_config(model.config)
     pool = PagePool(layout, num_pages=200, dtype=torch.float64)
     runner = ModelRunner(model, pool)

@@ -4,12 +4,13 @@ exact counters, and a hit that resumes from a KDA checkpoint giving the logits o
 import pytest
 import torch
 
-from k3 import K3Config, K3Model
+from k3 import K3Config
 from k3.serve.model_runner import ModelRunner
 from k3.serve.pool import PageLayout, PagePool
 from k3.serve.prefix_cache import PrefixCache, PrefixCacheStats, chain_hash, unit_hashes
 from k3.serve.sampling import SamplingParams
 from k3.serve.sequence import Sequence
+from tiny_models import tiny_model
 
 LAYOUT = PageLayout.from_config(K3Config.from_preset("tiny"))  # P = 16 tokens a page, 3 KDA layers
 BLOCK = 32  # two latent pages a unit
@@ -188,14 +189,6 @@ def test_eviction_of_a_foreign_key_is_an_error():
 
 
 # ---- end to end with the model ----------------------------------------------------------------------
-def tiny_model() -> K3Model:
-    torch.manual_seed(0)
-    model = K3Model(K3Config.from_preset("tiny")).double()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "_res_proj" in name:
-                p.normal_(std=0.5)
-    return model.eval()
 
 
 class Harness:
