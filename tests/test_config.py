@@ -51,7 +51,7 @@ def test_official_layout_round_trip(tmp_path):
     assert c.layer_types.count("kda") == 69 and [i + 1 for i in c.mla_layers][-2:] == [92, 93]
     assert c.quantization_config["format"] == "mxfp4-pack-quantized"
     back = c.to_hf()
-    assert back.pop("k3") == {"residual": "attnres", "mla_impl": "naive"}
+    assert back.pop("k3") == {"residual": "attnres", "mla_impl": "auto"}
     assert back == layout  # nothing lost, unknown keys included
     assert K3Config.from_hf(c.to_hf()) == c
 

@@ -12,7 +12,7 @@ def tiny_model(seed: int = 0, **overrides):
     return shared_tiny_model(seed, router_bias_std=0.05, **overrides)
 
 
-@pytest.mark.parametrize("impl", ["naive", "absorbed"])
+@pytest.mark.parametrize("impl", ["naive", "absorbed", "auto"])
 @pytest.mark.parametrize("residual", ["attnres", "standard"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_chunked_prefill_then_decode_equals_uncached(impl, residual, seed):

@@ -3,6 +3,7 @@ give the logits of one uncached forward per sequence."""
 
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from k3.serve.model_runner import ModelRunner
@@ -65,3 +66,38 @@ def test_chunked_prefill_and_batched_decode_match_uncached():
         for seq, row in zip(seqs, logits, strict=True):
             assert torch.allclose(row, reference(seq), atol=1e-9)
             seq.all_token_ids.append(int(row.argmax()))
+
+
+@pytest.mark.parametrize("impl", ["auto", "absorbed", "naive"])
+def test_one_forward_mixes_prefill_chunks_and_decodes(impl):
+    """Each step packs prefill chunks of random (often equal) lengths and the decodes of sequences
+    whose prompt is done into one forward; every returned row equals that sequence's uncached logits."""
+    model = tiny_model(mla_impl=impl)
+    layout = PageLayout.from_config(model.config)
+    pool = PagePool(layout, num_pages=300, dtype=torch.float64)
+    runner = ModelRunner(model, pool)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (1, 6, 13, 13, 30, 70)]
+    prompt_len = [len(p) for p in prompts]
+    seqs = [Seq(p, state_pages=pool.allocate(layout.n_kda)) for p in prompts]
+    checked = {"prefill": 0, "decode": 0}
+    while any(s.num_tokens < n + 6 for s, n in zip(seqs, prompt_len, strict=True)):
+        prefill, decode = [], []
+        for seq, n in zip(seqs, prompt_len, strict=True):
+            if seq.num_computed_tokens < n:
+                chunk = min(n - seq.num_computed_tokens, (4, 8, 12, 64)[int(torch.randint(0, 4, (1,), generator=gen))])
+                grow(pool, seq, seq.num_computed_tokens + chunk)
+                prefill.append((seq, chunk))
+            elif seq.num_tokens < n + 6:
+                grow(pool, seq, seq.num_tokens)
+                decode.append(seq)
+        logits = runner.run(prefill, decode)
+        assert logits.shape == (len(prefill) + len(decode), 512)
+        for (seq, _), row in zip(prefill + [(s, 1) for s in decode], logits, strict=True):
+            with torch.no_grad():
+                ref = model(torch.tensor([seq.all_token_ids[: seq.num_computed_tokens]])).logits[0, -1]
+            assert (row - ref).abs().max() < 1e-9
+            checked["decode" if seq.num_tokens > prompt_len[seqs.index(seq)] else "prefill"] += 1
+            if seq.num_computed_tokens == seq.num_tokens:  # prompt done or decoded: take the next token
+                seq.all_token_ids.append(int(row.argmax()))
+    assert checked["decode"] >= 6 * 5 and checked["prefill"] >= 6

@@ -73,9 +73,10 @@ class K3Config:
     routed_scaling_factor: float = 1.0
     # Block Attention Residuals across depth
     attn_res_block_size: int = 12
-    # k3 switches: "attnres" or the plain-residual ablation "standard"; MLA "naive" or "absorbed"
+    # k3 switches: "attnres" or the plain-residual ablation "standard"; MLA "naive", "absorbed" or
+    # "auto" (per call, the one with fewer FLOPs: absorbed when decoding)
     residual: str = "attnres"
-    mla_impl: str = "naive"
+    mla_impl: str = "auto"
     # carried through unchanged: quantisation and keys of the official file k3 does not interpret
     quantization_config: dict[str, Any] | None = None
     extra_hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -122,8 +123,8 @@ class K3Config:
                 self._fail(name, "must be positive")
         if self.residual not in ("attnres", "standard"):
             self._fail("residual", "must be 'attnres' (Block Attention Residuals) or 'standard'")
-        if self.mla_impl not in ("naive", "absorbed"):
-            self._fail("mla_impl", "must be 'naive' (per-head k, v) or 'absorbed' (latent only)")
+        if self.mla_impl not in ("naive", "absorbed", "auto"):
+            self._fail("mla_impl", "must be 'naive' (per-head k, v), 'absorbed' (latent only) or 'auto'")
         if not self.mla_use_nope:
             self._fail("mla_use_nope", "must be True: K3 has no positional encoding and k3 implements no RoPE")
         L = self.num_hidden_layers

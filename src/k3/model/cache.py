@@ -5,6 +5,7 @@ convolution. MLA layers keep, per past token, the normalised latent c_kv (kv_lor
 the shared key part k_pe (qk_rope_head_dim values, no rotation): nothing per head.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,33 @@ class MLALayerCache:
             latent, k_pe = torch.cat([self.latent, latent], dim=1), torch.cat([self.k_pe, k_pe], dim=1)
         self.latent, self.k_pe = latent, k_pe
         return latent, k_pe
+
+
+@dataclass
+class PackedLayerCache:
+    """One layer's cache for a packed batch, as a serving engine runs it: B == 1 and the sequences'
+    new tokens one after another, those of equal length next to each other. Token-wise work (every
+    projection, norm, FFN) runs once over all of them; only the sequence mixing (convolution,
+    recurrence, attention) runs per group.
+
+    groups[i] = (start, end, rows, cache): tokens start:end are `rows` sequences of (end − start) / rows
+    tokens each, and `cache` serves those rows like a KDALayerCache or MLALayerCache with B = rows.
+    """
+
+    groups: list[tuple[int, int, int, object]]
+
+
+def for_each_group(cache, mix: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """mix(*xs, cache) -> (B, T, ...) for a plain cache (or None); for a PackedLayerCache, mix on each
+    group's tokens reshaped to (rows, tokens per row, ...) with that group's cache, re-packed in order."""
+    if not isinstance(cache, PackedLayerCache):
+        return mix(*xs, cache)
+    outs = []
+    for start, end, rows, sub in cache.groups:
+        parts = [x[:, start:end].reshape(rows, (end - start) // rows, *x.shape[2:]) for x in xs]
+        out = mix(*parts, sub)
+        outs.append(out.reshape(1, end - start, *out.shape[2:]))
+    return torch.cat(outs, dim=1)
 
 
 @dataclass

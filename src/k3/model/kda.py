@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.cache import KDALayerCache
+from k3.model.cache import KDALayerCache, PackedLayerCache, for_each_group
 from k3.model.norm import RMSNorm
 from k3.ops.kda import chunk_kda, fused_recurrent_kda
 
@@ -72,28 +72,44 @@ class KimiDeltaAttention(nn.Module):
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
 
-    def forward(self, x: torch.Tensor, cache: KDALayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KDALayerCache | PackedLayerCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
         # q, k, v as one matmul and one convolution over their concatenated channels: the same
         # arithmetic as three, with a third of the small element-wise passes
         w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        w_conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
-        qkv, tail = causal_conv(F.linear(x, w_qkv), w_conv, cache.conv if cache is not None else None)
-        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
+        qkv = F.linear(x, w_qkv)
         g_raw = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         beta_raw = self.b_proj(x)
+        o = for_each_group(cache, self.mix, qkv, g_raw, beta_raw)  # (B, T, H, V)
+        gate = torch.sigmoid(self.output_gate(x).view(B, T, H, V))
+        return self.o_proj((self.o_norm(o) * gate).reshape(B, T, H * V))
+
+    def mix(self, qkv: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor, cache: KDALayerCache | None):
+        """The sequence mixing: convolutions, then the delta rule from the cached state.
+
+        qkv (B, T, 2HK + HV) before the convolution; g_raw (B, T, H, K); beta_raw (B, T, H) -> o (B, T, H, V).
+        """
+        B, T, _ = qkv.shape
+        H, K, V = self.H, self.K, self.V
+        w_conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        qkv, tail = causal_conv(qkv, w_conv, cache.conv if cache is not None else None)
+        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         kw = dict(
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
             A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
         )  # fmt: skip
         q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V)
         if cache is None:
-            o, _ = chunk_kda(q, k, v, g_raw, beta_raw, **kw)
-        else:
-            # one new token: the recurrent step; a longer piece (prefill): the chunked form
-            step = fused_recurrent_kda if T == 1 else chunk_kda
-            o, cache.state = step(q, k, v, g_raw, beta_raw, initial_state=cache.state, output_final_state=True, **kw)
-            cache.conv = tail
-        gate = torch.sigmoid(self.output_gate(x).view(B, T, H, V))
-        return self.o_proj((self.o_norm(o) * gate).reshape(B, T, H * V))
+            return chunk_kda(q, k, v, g_raw, beta_raw, **kw)[0]
+        cache.conv = tail
+        if T == 1 and cache.state is not None and not torch.is_grad_enabled():
+            # decoding: the recurrent step updates the state in place (the cache's own tensor, or a
+            # copy a paged cache gathered for this call and writes back on assignment)
+            state = cache.state
+            o, _ = fused_recurrent_kda(q, k, v, g_raw, beta_raw, initial_state=state, inplace_final_state=True, **kw)
+            cache.state = state
+            return o
+        # a longer piece (prefill): the chunked form
+        o, cache.state = chunk_kda(q, k, v, g_raw, beta_raw, initial_state=cache.state, output_final_state=True, **kw)
+        return o

@@ -8,7 +8,8 @@
 No positional encoding: k_pe is the released layout's shared key part, used without rotation.
 Only (c_kv, k_pe) is cached. Two paths, chosen by `config.mla_impl`, as in DeepSeek-V3:
 "naive" materialises per-head k and v; "absorbed" folds W_UK into the query and applies W_UV after
-the attention-weighted sum of cached latents, never building a per-head key or value.
+the attention-weighted sum of cached latents, never building a per-head key or value; "auto" takes
+whichever costs fewer FLOPs for the call's number of queries (absorbed for decoding).
 """
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.cache import MLALayerCache
+from k3.model.cache import MLALayerCache, PackedLayerCache, for_each_group
 from k3.model.norm import RMSNorm
 from k3.ops.numerics import at_least_fp32
 
@@ -65,19 +66,32 @@ class GatedMLA(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         return self.kv_a_layernorm(c_kv), k_pe
 
-    def forward(self, x: torch.Tensor, cache: MLALayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: MLALayerCache | PackedLayerCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q_nope, q_pe = self.queries(x)
         c_kv, k_pe = self.latents(x)
-        mask = None  # None: plain causal attention over this call's T tokens
-        if cache is not None:
-            c_kv, k_pe = cache.append(c_kv, k_pe)  # (B, L, ·): every cached token plus these T
-            mask = cache.attention_mask(T, x.device)  # (B or 1, T, L)
-        attend = self.absorbed if self.impl == "absorbed" else self.naive
-        o = attend(q_nope, q_pe, c_kv, k_pe, mask)  # (B, T, H, v)
+        o = for_each_group(cache, self.attend, q_nope, q_pe, c_kv, k_pe)  # (B, T, H, v)
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x).view(B, T, self.H, self.v_dim))
         return self.o_proj(o.reshape(B, T, self.H * self.v_dim))
+
+    def attend(self, q_nope, q_pe, c_kv, k_pe, cache: MLALayerCache | None) -> torch.Tensor:
+        """This call's T queries against the cached latents and their own: o (B, T, H, v)."""
+        mask = None  # None: plain causal attention over this call's T tokens
+        if cache is not None:
+            c_kv, k_pe = cache.append(c_kv, k_pe)  # (B, L, ·): every cached token plus these T
+            mask = cache.attention_mask(q_nope.shape[1], q_nope.device)  # (B or 1, T, L)
+        attend = self.absorbed if self.use_absorbed(q_nope.shape[1]) else self.naive
+        return attend(q_nope, q_pe, c_kv, k_pe, mask)
+
+    def use_absorbed(self, T: int) -> bool:
+        """'auto' picks the path with fewer FLOPs for T queries over L keys, per head:
+        naive L·r·(nope + v) to expand the latents + T·L·(nope + rope + v) to attend;
+        absorbed T·L·(2r + rope) to attend in latent space (its per-query projections are negligible).
+        So absorbed wins for T·(2r − nope − v) < r·(nope + v): T < 64 for the small preset, < 171 for K3."""
+        if self.impl != "auto":
+            return self.impl == "absorbed"
+        return T * (2 * self.rank - self.nope - self.v_dim) < self.rank * (self.nope + self.v_dim)
 
     def naive(self, q_nope, q_pe, c_kv, k_pe, mask: torch.Tensor | None) -> torch.Tensor:
         B, _, H, _ = q_nope.shape
@@ -94,14 +108,18 @@ class GatedMLA(nn.Module):
         return o.transpose(1, 2)
 
     def absorbed(self, q_nope, q_pe, c_kv, k_pe, mask: torch.Tensor | None) -> torch.Tensor:
-        T, L = q_nope.shape[1], c_kv.shape[1]
-        w = self.kv_b_proj.weight.view(self.H, self.nope + self.v_dim, self.rank)
+        B, T, H, _ = q_nope.shape
+        L = c_kv.shape[1]
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # (H, nope, rank), (H, v, rank)
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)  # the query, moved into latent space
-        scores = torch.einsum("bthr,blr->bhtl", q_lat, c_kv) + torch.einsum("bthp,blp->bhtl", q_pe, k_pe)
+        # (B, T·H, ·) @ (B, ·, L): every head and query against the cached latents in one matmul each,
+        # reading c_kv and k_pe where they lie (transposed views, no copies of the long cache)
+        scores = q_lat.reshape(B, T * H, self.rank) @ c_kv.transpose(1, 2)
+        scores = scores.baddbmm_(q_pe.reshape(B, T * H, self.rope), k_pe.transpose(1, 2)) if self.rope else scores
         if mask is None:
             mask = causal_mask(T, L, scores.device)[None]
-        scores = (at_least_fp32(scores) * self.scale).masked_fill(~mask[:, None], float("-inf"))
+        scores = (at_least_fp32(scores.view(B, T, H, L)) * self.scale).masked_fill(~mask[:, :, None], float("-inf"))
         p = torch.softmax(scores, dim=-1).to(c_kv.dtype)
-        ctx = torch.einsum("bhtl,blr->bthr", p, c_kv)  # attention-weighted latents
-        return torch.einsum("bthr,hvr->bthv", ctx, w_uv)
+        ctx = p.view(B, T * H, L) @ c_kv  # attention-weighted latents (B, T·H, rank)
+        return torch.einsum("bthr,hvr->bthv", ctx.view(B, T, H, self.rank), w_uv)

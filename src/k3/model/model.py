@@ -97,7 +97,7 @@ class K3TextModel(nn.Module):
 
 
 class K3Model(nn.Module):
-    """The causal LM. model(input_ids, cache=None, labels=None) -> K3Output."""
+    """The causal LM. model(input_ids, cache=None, labels=None, logits_at=None) -> K3Output."""
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -132,10 +132,22 @@ class K3Model(nn.Module):
                 nn.init.normal_(module.gate.weight, std=std)
                 module.gate.e_score_correction_bias.zero_()
 
-    def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None, labels: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: K3Cache | None = None,
+        labels: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+    ) -> K3Output:
+        """logits_at: (n,) positions along T; only their logits are computed, (B, n, vocab): a serving
+        step needs one position per sequence, and the LM head is the widest matmul of a small model."""
         hidden = self.model(input_ids, cache)
         if cache is not None:
             cache.seq_len += input_ids.shape[1]
+        if logits_at is not None:
+            if labels is not None:
+                raise ValueError("labels need the logits of every position: do not pass logits_at with them")
+            hidden = hidden[:, logits_at]
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:

@@ -107,18 +107,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        # every prefill chunk and every decode of the step in one forward
+        logits = self.runner.run([(c.seq, c.num_tokens) for c in batch.prefill], batch.decode)
         sampled: list[tuple[Sequence, torch.Tensor]] = []
-        for chunk in batch.prefill:
-            logits = self.runner.prefill(chunk.seq, chunk.num_tokens)
+        for chunk, row in zip(batch.prefill, logits, strict=False):
             if self.cache is not None:
                 self.cache.commit_latents(chunk.seq)
                 if chunk.checkpoint:
                     self.cache.store_checkpoint(chunk.seq, chunk.seq.num_computed_tokens)
             if chunk.seq.num_computed_tokens == chunk.seq.num_tokens:
-                sampled.append((chunk.seq, logits))
-        if batch.decode:
-            logits = self.runner.decode(batch.decode)
-            sampled += list(zip(batch.decode, logits, strict=True))
+                sampled.append((chunk.seq, row))
+        sampled += list(zip(batch.decode, logits[len(batch.prefill) :], strict=True))
         outputs = self._postprocess(sampled)
         self.scheduler.step_seconds = 0.9 * self.scheduler.step_seconds + 0.1 * (time.perf_counter() - t0)
         return outputs

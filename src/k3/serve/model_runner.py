@@ -1,8 +1,11 @@
-"""Runs the model over the page pool: a prefill chunk of one sequence, or one decode step for a batch
-of sequences of different lengths.
+"""Runs the model over the page pool: one forward per engine step for every sequence in it, prefill
+chunks of any lengths and single decode tokens alike.
 
-The model's layers take a cache object per layer (k3.model.cache); here each is an adapter over the
-pool, so the same layer code serves the plain cache and the paged one:
+The step is a packed batch (k3.model.cache.PackedLayerCache): the sequences' new tokens one after
+another in a (1, ΣT) row, those of equal length adjacent, so every projection, norm and expert runs
+once over all of them and only the convolution, recurrence and attention run per group of equal
+lengths (all decodes form one group). Each group's cache is an adapter over the pool, so the same
+layer code serves the plain cache and the paged one:
 - `PagedKDAState`: the `state` / `conv` of one KDA layer for B sequences are rows of the pool's KDA
   views, one page per sequence and layer (gathered on read, written back in place on assignment).
 - `PagedMLALatents`: one MLA layer's latents live in each sequence's latent pages, P tokens a page;
@@ -14,6 +17,7 @@ import contextlib
 
 import torch
 
+from k3.model.cache import PackedLayerCache
 from k3.model.mla import GatedMLA
 from k3.model.model import K3Model
 from k3.serve.pool import PagePool
@@ -65,9 +69,11 @@ class PagedMLALatents:
         new = torch.arange(T, device=c_kv.device)[None] + self.past[:, None]  # (B, T)
         pages, slots = self._slots(new)
         latents[pages, slots] = torch.cat([c_kv, k_pe], dim=-1).to(latents.dtype)
-        L = int(self.past.max()) + T
-        pages, slots = self._slots(torch.arange(L, device=c_kv.device).expand(B, L))
-        cached = latents[pages, slots].to(c_kv.dtype)  # (B, L, rank + rope); rows past their length are padding
+        # read whole pages (one contiguous block each), not token by token
+        P, L = self.pool.layout.page_tokens, int(self.past.max()) + T
+        n = -(-L // P)
+        cached = latents.index_select(0, self.tables[:, :n].flatten()).view(B, n * P, -1)[:, :L]
+        cached = cached.to(c_kv.dtype)  # (B, L, rank + rope); rows past their length are padding
         return cached[..., : self.rank], cached[..., self.rank :]
 
     def attention_mask(self, T: int, device: torch.device) -> torch.Tensor:
@@ -78,9 +84,9 @@ class PagedMLALatents:
 
 
 class PagedCache:
-    """What K3Model.forward takes as `cache`: one adapter per layer."""
+    """What K3Model.forward takes as `cache`: one PackedLayerCache per layer."""
 
-    def __init__(self, layers: list):
+    def __init__(self, layers: list[PackedLayerCache]):
         self.layers, self.seq_len = layers, 0
 
 
@@ -96,8 +102,8 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _mla_path(self, impl: str):
-        """Prefill chunks materialise per-head keys and values once for many queries ("naive"); a decode
-        step has one query per sequence, so it attends to the cached latents directly ("absorbed").
+        """The MLA path of every call: "auto" takes per group the one with fewer FLOPs (per-head keys
+        and values materialised once for a long prefill chunk, latent-space attention for decodes).
         The model is shared: its configured path is restored afterwards."""
         for m in self.mla:
             m.impl = impl
@@ -107,46 +113,72 @@ class ModelRunner:
             for m in self.mla:
                 m.impl = self.config.mla_impl
 
-    def _cache(self, seqs: list, past: list[int]) -> PagedCache:
-        past_t = torch.tensor(past, device=self.device)
-        width = max(1, max(len(s.latent_pages) for s in seqs))
-        tables = torch.tensor([s.latent_pages + [0] * (width - len(s.latent_pages)) for s in seqs], device=self.device)
+    def _cache(self, groups: list[list[tuple]]) -> PagedCache:
+        """groups: lists of (seq, start, num_tokens) of equal num_tokens, in packed order."""
+        parts = []  # per group: its token range, rows, page tables, past lengths, KDA pages per layer
+        pos = 0
+        for group in groups:
+            seqs = [s for s, _, _ in group]
+            width = max(1, max(len(s.latent_pages) for s in seqs))
+            tables = [s.latent_pages + [0] * (width - len(s.latent_pages)) for s in seqs]
+            past = torch.tensor([start for _, start, _ in group], device=self.device)
+            kda_rows = torch.tensor([s.state_pages for s in seqs], device=self.device).t()  # (n_kda, rows)
+            end = pos + len(group) * group[0][2]
+            parts.append((pos, end, len(group), torch.tensor(tables, device=self.device), past, kda_rows))
+            pos = end
         layers, kda, mla = [], 0, 0
         for kind in self.config.layer_types:
             if kind == "kda":
-                layers.append(
-                    PagedKDAState(self.pool, torch.tensor([s.state_pages[kda] for s in seqs], device=self.device))
-                )
+                subs = [PagedKDAState(self.pool, rows[kda]) for *_, rows in parts]
                 kda += 1
             else:
-                layers.append(PagedMLALatents(self.pool, mla, tables, past_t, self.config.kv_lora_rank))
+                rank = self.config.kv_lora_rank
+                subs = [PagedMLALatents(self.pool, mla, tables, past, rank) for *_, tables, past, _ in parts]
                 mla += 1
+            layers.append(PackedLayerCache([(s, e, n, sub) for (s, e, n, *_), sub in zip(parts, subs, strict=True)]))
         return PagedCache(layers)
 
-    def reset_state(self, seq) -> None:
-        """Zero a sequence's KDA state pages: a fresh request starts from S = 0 and empty conv tails."""
-        rows = torch.tensor(seq.state_pages, device=self.device)
+    def reset_state(self, seqs: list) -> None:
+        """Zero the sequences' KDA state pages: a fresh request starts from S = 0 and empty conv tails."""
+        if not seqs:
+            return
+        rows = torch.tensor([p for s in seqs for p in s.state_pages], device=self.device)
         self.pool.kda_states()[rows] = 0
         self.pool.kda_conv()[rows] = 0
 
     @torch.no_grad()
+    def run(self, prefill: list[tuple], decode: list) -> torch.Tensor:
+        """One forward for the whole step. prefill: (seq, num_tokens) pairs, each computing the next
+        num_tokens of seq's prompt; decode: sequences whose every token but the last is computed.
+        Returns logits (len(prefill) + len(decode), vocab): each chunk's last position, then each decode."""
+        work = [(s, s.num_computed_tokens, n) for s, n in prefill] + [(s, s.num_tokens - 1, 1) for s in decode]
+        if not work:
+            return torch.empty(0, self.config.vocab_size, device=self.device)
+        self.reset_state([s for s, start, _ in work if start == 0])
+        # equal lengths adjacent (stable, so the decodes stay in order); remember where each item went
+        order = sorted(range(len(work)), key=lambda i: work[i][2])
+        groups: list[list[tuple]] = []
+        for i in order:
+            if groups and groups[-1][0][2] == work[i][2]:
+                groups[-1].append(work[i])
+            else:
+                groups.append([work[i]])
+        ids = [t for i in order for t in work[i][0].all_token_ids[work[i][1] : work[i][1] + work[i][2]]]
+        ends = torch.tensor([work[i][2] for i in order], device=self.device).cumsum(0) - 1  # last token of each
+        with self._mla_path("auto"):
+            logits = self.model(
+                torch.tensor([ids], device=self.device), cache=self._cache(groups), logits_at=ends
+            ).logits[0]  # (items in packed order, vocab)
+        for seq, start, n in work:
+            seq.num_computed_tokens = start + n
+        back = torch.empty(len(order), dtype=torch.long, device=self.device)
+        back[torch.tensor(order, device=self.device)] = torch.arange(len(order), device=self.device)
+        return logits[back]
+
     def prefill(self, seq, num_tokens: int) -> torch.Tensor:
         """Compute the next num_tokens of seq's prompt into the pool; returns the last position's logits (vocab,)."""
-        start = seq.num_computed_tokens
-        if start == 0:
-            self.reset_state(seq)
-        ids = torch.tensor([seq.all_token_ids[start : start + num_tokens]], device=self.device)
-        with self._mla_path("naive"):
-            logits = self.model(ids, cache=self._cache([seq], [start])).logits[0, -1]
-        seq.num_computed_tokens = start + num_tokens
-        return logits
+        return self.run([(seq, num_tokens)], [])[0]
 
-    @torch.no_grad()
     def decode(self, seqs: list) -> torch.Tensor:
         """One step for sequences whose every token but the last is computed; returns logits (B, vocab)."""
-        ids = torch.tensor([[s.all_token_ids[-1]] for s in seqs], device=self.device)
-        with self._mla_path("absorbed"):
-            logits = self.model(ids, cache=self._cache(seqs, [s.num_tokens - 1 for s in seqs])).logits[:, -1]
-        for s in seqs:
-            s.num_computed_tokens = s.num_tokens
-        return logits
+        return self.run([], seqs)

@@ -80,21 +80,33 @@ def fused_recurrent_kda(
     B, T, HV, K = q.shape
     S = h0 if h0 is not None else q.new_zeros(B, HV, K, v.shape[-1])
     q = q * scale
+    # Update S in place when nobody else sees it: a fresh zero state, a gathered pool copy, or the
+    # caller's tensor that inplace_final_state asks to overwrite. Never under autograd.
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v2, g, beta, S))
+    owned = not grad and (h0 is None or inplace_final_state or ssm_state_indices is not None)
     o = []
     for t in range(T):
-        k_t = k[:, t].unsqueeze(-2)  # (B, HV, 1, K)
-        S = S * g[:, t].exp().unsqueeze(-1)
-        error = v2[:, t].unsqueeze(-2) - k_t @ S  # (B, HV, 1, V): value minus the memory's prediction
-        S = S + (beta[:, t, :, None, None] * k_t).transpose(-1, -2) @ error
-        o.append(q[:, t].unsqueeze(-2) @ S)
-    o = torch.cat(o, dim=2).transpose(1, 2) if T else v2.new_zeros(B, 0, HV, v.shape[-1])  # (B, T, HV, V)
+        d = g[:, t].exp()  # (B, HV, K)
+        kb = k[:, t] * beta[:, t, :, None]  # (B, HV, K)
+        # S_t = D S + (βk)ᵀ e with e = v − (k⊙d) S, the value minus the decayed memory's prediction;
+        # so q S_t = (q⊙d) S + (q·βk) e: both read-outs come from the previous S in one matmul
+        reads = torch.stack([k[:, t] * d, q[:, t] * d], dim=-2) @ S  # (B, HV, 2, V)
+        error = v2[:, t] - reads[..., 0, :]  # (B, HV, V)
+        o.append(reads[..., 1, :] + (q[:, t] * kb).sum(-1, keepdim=True) * error)
+        if owned:
+            S.mul_(d.unsqueeze(-1)).addcmul_(kb.unsqueeze(-1), error.unsqueeze(-2))
+        else:
+            S = torch.addcmul(S * d.unsqueeze(-1), kb.unsqueeze(-1), error.unsqueeze(-2))
+            owned = not grad
+    o = torch.stack(o, dim=1) if T else v2.new_zeros(B, 0, HV, v.shape[-1])  # (B, T, HV, V)
     if cu_seqlens is not None:
         o = torch.cat([o[i, : e - s] for i, (s, e) in enumerate(bounds)]).unsqueeze(0)
 
     if inplace_final_state:
         with torch.no_grad():
             if ssm_state_indices is None:
-                pool.copy_(S)
+                if S is not pool:
+                    pool.copy_(S)
             else:
                 pool.index_copy_(0, ssm_state_indices, S.to(pool.dtype))
     return o.to(v.dtype), (S if output_final_state else None)
