@@ -75,10 +75,14 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KDALayerCache | PackedLayerCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
-        # q, k, v as one matmul and one convolution over their concatenated channels: the same
-        # arithmetic as three, with a third of the small element-wise passes
-        w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        qkv = F.linear(x, w_qkv)
+        # q, k, v through one convolution over their concatenated channels: the same arithmetic as
+        # three, with a third of the small element-wise passes. Concatenate whichever is smaller, the
+        # three weights (d values per channel) or the three outputs (B·T per channel, e.g. decoding).
+        weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        if B * T < x.shape[-1]:
+            qkv = torch.cat([F.linear(x, w) for w in weights], dim=-1)
+        else:
+            qkv = F.linear(x, torch.cat(weights))
         g_raw = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         beta_raw = self.b_proj(x)
         o = for_each_group(cache, self.mix, qkv, g_raw, beta_raw)  # (B, T, H, V)

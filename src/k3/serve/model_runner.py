@@ -72,7 +72,10 @@ class PagedMLALatents:
         # read whole pages (one contiguous block each), not token by token
         P, L = self.pool.layout.page_tokens, int(self.past.max()) + T
         n = -(-L // P)
-        cached = latents.index_select(0, self.tables[:, :n].flatten()).view(B, n * P, -1)[:, :L]
+        idx = self.tables[:, :n].flatten()
+        # into a buffer kept across steps: a fresh multi-MB tensor per layer and step costs page faults
+        buf = self.pool.scratch(len(idx) * latents[0].numel()).view(len(idx), *latents.shape[1:])
+        cached = torch.index_select(latents, 0, idx, out=buf).view(B, n * P, -1)[:, :L]
         cached = cached.to(c_kv.dtype)  # (B, L, rank + rope); rows past their length are padding
         return cached[..., : self.rank], cached[..., self.rank :]
 

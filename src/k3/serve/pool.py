@@ -132,6 +132,7 @@ class PagePool:
         self._released_at: dict[int, int] = {}  # when each evictable page was released; check() verifies LRU order
         self._clock = 0
         self.on_evict: Callable[[int, Hashable], None] | None = None
+        self._scratch = self.storage.new_empty(0)
 
     @classmethod
     def from_budget(
@@ -150,6 +151,13 @@ class PagePool:
                 f"bytes; one request needs at least {minimum} pages ({minimum * page_bytes} bytes): raise the budget"
             )
         return cls(layout, memory_bytes // page_bytes, device=device, dtype=dtype)
+
+    def scratch(self, numel: int) -> torch.Tensor:
+        """A reusable 1-D buffer of at least `numel` values in the pool's dtype, for the model runner's
+        gathers of cached latents; grown, never shrunk. Its contents are overwritten by each user."""
+        if self._scratch.numel() < numel:
+            self._scratch = self.storage.new_empty(numel)
+        return self._scratch[:numel]
 
     # ---- views into storage (no copies) ---------------------------------------------------------
     def kda_states(self) -> torch.Tensor:
