@@ -79,9 +79,7 @@ def run_engine(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams)
 
 @contextlib.contextmanager
 def mla_impl(model: K3Model, impl: str):
-    """Run every MLA layer by `impl` ("naive" or "absorbed", config.mla_impl's two paths) for a while.
-    The engine's model runner sets the path of the shared modules on each call (naive for prefill,
-    absorbed for decode) and leaves it set, so code outside the engine pins it explicitly."""
+    """Run every MLA layer by `impl` ("naive", "absorbed" or "auto", config.mla_impl's paths) for a while."""
     layers = [layer.self_attn for layer in model.model.layers if layer.kind == "mla"]
     before = [a.impl for a in layers]
     for a in layers:
@@ -95,8 +93,8 @@ def mla_impl(model: K3Model, impl: str):
 
 @contextlib.contextmanager
 def engine_mla(eng: LLMEngine, impl: str | None):
-    """Force the MLA path the engine's runner picks per call (None keeps its own choice: absorbed for
-    decode). Forcing "naive" for decode shows what the absorbed path buys at long context."""
+    """Force the MLA path the engine's runner uses (None keeps its own: "auto", absorbed for decodes).
+    Forcing "naive" for decode shows what the absorbed path buys at long context."""
     if impl is None:
         yield
         return
@@ -242,14 +240,15 @@ def first_token(eng: LLMEngine, prompt: list[int]) -> tuple[float, int, torch.Te
     """Seconds from add_request to the first sampled token, the token, and the last prompt token's
     logits (caught on their way out of the model runner's last prefill chunk)."""
     caught: list[torch.Tensor] = []
-    prefill = eng.runner.prefill
+    run = eng.runner.run
 
-    def catching(seq, num_tokens):
-        logits = prefill(seq, num_tokens)
-        caught.append(logits.clone())
+    def catching(prefill, decode):
+        logits = run(prefill, decode)
+        if prefill:  # one request here: its chunk is the step's only prefill
+            caught.append(logits[0].clone())
         return logits
 
-    eng.runner.prefill = catching
+    eng.runner.run = catching
     try:
         t0 = time.perf_counter()
         rid = eng.add_request(prompt, greedy(1))
@@ -258,7 +257,7 @@ def first_token(eng: LLMEngine, prompt: list[int]) -> tuple[float, int, torch.Te
             if outs:
                 return time.perf_counter() - t0, outs[0].new_token_ids[0], caught[-1]
     finally:
-        eng.runner.prefill = prefill
+        del eng.runner.run
 
 
 def ttft(k3: K3Model, prefix_len: int, new_len: int, reps: int) -> dict:

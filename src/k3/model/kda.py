@@ -79,7 +79,7 @@ class KimiDeltaAttention(nn.Module):
         # three, with a third of the small element-wise passes. Concatenate whichever is smaller, the
         # three weights (d values per channel) or the three outputs (B·T per channel, e.g. decoding).
         weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-        if B * T < x.shape[-1]:
+        if x.shape[-1] > B * T:
             qkv = torch.cat([F.linear(x, w) for w in weights], dim=-1)
         else:
             qkv = F.linear(x, torch.cat(weights))

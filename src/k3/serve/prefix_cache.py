@@ -111,10 +111,6 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self._units: dict[int, list[int]] = {}  # unit hash -> its latent pages
         self._ckpts: dict[int, list[int]] = {}  # hash of the unit ending at the checkpoint -> n_kda pages
-        # Pages of a dropped group that were evictable. Their keys cannot be dropped inside on_evict (that
-        # moves them from the LRU to the free list under the allocate() that is running, which may then find
-        # its LRU empty), so they keep their key until the next call here or until evicted.
-        self._orphans: set[int] = set()
         # unit hashes of each sequence's tokens so far; tokens only ever get appended, so they stay valid
         self._seq_hashes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         pool.on_evict = self._on_evict
@@ -160,7 +156,6 @@ class PrefixCache:
         stale (its pages were evicted since match(): match again)."""
         if seq.latent_pages or seq.num_computed_tokens:
             raise ValueError(f"acquire needs a sequence with no latents computed, got {seq!r}")
-        self._drop_orphans()
         live = [page for h in match.unit_hashes for page in self._units.get(h, ())]
         if live != match.latent_pages or (
             match.unit_hashes and self._ckpts.get(match.unit_hashes[-1]) != match.checkpoint_pages
@@ -185,13 +180,11 @@ class PrefixCache:
         s.query_tokens += seq.num_tokens
         s.latent_hit_tokens += match.latent_tokens
         s.state_hit_tokens += match.resume_tokens
-        self._drop_orphans()
 
     # ---- filling ----------------------------------------------------------------------------------
     def commit_latents(self, seq: Sequence) -> None:
         """Register the latent pages of every full unit seq has computed, unless that unit is cached
         already (then seq's copy stays private). Pages of a full unit are never written again."""
-        self._drop_orphans()
         n_units = seq.num_computed_tokens // self.hash_block
         hashes = self._hashes(seq, n_units)
         ppu = self.pages_per_unit
@@ -215,7 +208,6 @@ class PrefixCache:
                 f"a checkpoint must be at a positive multiple of hash_block = {self.hash_block} equal to the "
                 f"tokens computed; got position {position} for {seq!r}"
             )
-        self._drop_orphans()
         h = self._hashes(seq, position // self.hash_block)[position // self.hash_block - 1]
         if h in self._ckpts:
             self.stats.checkpoints_existing += 1
@@ -231,7 +223,6 @@ class PrefixCache:
         self._ckpts[h] = pages
         self.pool.release(pages)
         self.stats.checkpoints_stored += 1
-        self._drop_orphans()
 
     def clear(self) -> None:
         """Forget everything: every cached page loses its key (unused ones become free)."""
@@ -239,7 +230,6 @@ class PrefixCache:
             self.pool.drop_key(page)
         self._units.clear()
         self._ckpts.clear()
-        self._drop_orphans()
 
     @property
     def num_units(self) -> int:
@@ -255,8 +245,6 @@ class PrefixCache:
             for h, pages in group.items():
                 for i, page in enumerate(pages):
                     assert self.pool.key(page) == (kind, h, i), f"page {page} is not cached as {(kind, h, i)}"
-        for page in self._orphans:
-            assert self.pool.refcount(page) == 0 and self.pool.key(page) is not None, f"orphan {page} not cached"
 
     # ---- internals ----------------------------------------------------------------------------------
     def _hashes(self, seq: Sequence, n_units: int) -> list[int]:
@@ -277,26 +265,16 @@ class PrefixCache:
 
     def _on_evict(self, page: int, key: Hashable) -> None:
         """The pool reclaimed `page`: drop the unit or checkpoint it belonged to, all pages at once."""
-        if page in self._orphans:
-            self._orphans.remove(page)
-            return
         kind, h = key[:2] if isinstance(key, tuple) and len(key) == 3 else (None, None)
         group = {"lat": self._units, "ckpt": self._ckpts}.get(kind)
         if group is None or page not in group.get(h, ()):
             raise RuntimeError(f"the pool evicted page {page} under key {key!r}, which the prefix cache never set")
         for other in group.pop(h):
-            if other == page:
-                continue
-            if self.pool.refcount(other) > 0:
-                self.pool.drop_key(other)  # in use by a sequence: just no longer shared
-            else:
-                self._orphans.add(other)
+            # in use by a sequence: just no longer shared; evictable: free now (allocate() takes the
+            # pages its on_evict frees before evicting more)
+            if other != page:
+                self.pool.drop_key(other)
         if kind == "lat":
             self.stats.evicted_units += 1
         else:
             self.stats.evicted_checkpoints += 1
-
-    def _drop_orphans(self) -> None:
-        for page in self._orphans:
-            self.pool.drop_key(page)
-        self._orphans.clear()
