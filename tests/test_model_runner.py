@@ -24,6 +24,9 @@ class Seq:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        return self.all_token_ids[start:end]
+
 
 def grow(pool: PagePool, seq: Seq, tokens: int) -> None:
     """Give seq enough latent pages for `tokens` tokens (what the scheduler does)."""

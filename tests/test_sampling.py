@@ -123,15 +123,14 @@ def test_temperature_distribution(T):
 
 def stream(checker: StopChecker, pieces: list[str], final: bool = True) -> tuple[bool, list[str]]:
     """Feed detokenised pieces one at a time; returns (finished, deltas)."""
-    text, deltas, finished = "", [], False
+    deltas, finished = [], False
     for piece in pieces:
-        text += piece
-        finished, delta = checker.update(text)
+        finished, delta = checker.update(piece)
         deltas.append(delta)
         if finished:
             return True, deltas
     if final:
-        finished, delta = checker.update(text, final=True)
+        finished, delta = checker.update("", final=True)
         deltas.append(delta)
     return finished, deltas
 
@@ -141,7 +140,7 @@ def test_stop_string_across_tokens():
     finished, deltas = stream(checker, ["Hello <", "/", "s> and more"])
     assert finished and checker.matched == "</s>"
     assert deltas == ["Hello ", "", ""]
-    assert checker.update("Hello </s> and more still") == (True, "")
+    assert checker.update(" still") == (True, "")
 
 
 def test_held_back_text_released():

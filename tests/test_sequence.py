@@ -17,6 +17,10 @@ def test_token_bookkeeping():
     assert seq.append_token(9, EOS) is None
     assert seq.all_token_ids == [5, 6, 7, 9] and seq.num_tokens == 4 and seq.last_token_id == 9
     assert seq.remaining_prefill == 1  # the sampled token is not in the cache yet
+    seq.append_token(8, EOS)
+    for start in range(6):
+        for end in range(start, 6):
+            assert seq.token_ids(start, end) == seq.all_token_ids[start:end]
     assert Sequence("r1", [1], SamplingParams(seed=3)).generator.initial_seed() == 3
     assert FinishReason.LENGTH == "length" and FinishReason.STOP.value == "stop"
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.model.model import K3Model
+from k3.serve.detokenizer import IncrementalDetokenizer
 from k3.serve.model_runner import ModelRunner
 from k3.serve.pool import PageLayout, PagePool
 from k3.serve.prefix_cache import PrefixCache
@@ -67,6 +68,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.pool)
         self.seqs: dict[str, Sequence] = {}
         self.stops: dict[str, StopChecker] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.eos_id = getattr(tokenizer, "eos_id", None)
         log.info("k3 engine: %s", self.pool.describe())
@@ -88,6 +90,7 @@ class LLMEngine:
         self.scheduler.add(seq)  # may raise Overloaded or ValueError; nothing is stored then
         self.seqs[request_id] = seq
         self.stops[request_id] = StopChecker(params.stop)
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -97,6 +100,7 @@ class LLMEngine:
         seq.finish(FinishReason.ABORT)
         self.seqs.pop(request_id, None)
         self.stops.pop(request_id, None)
+        self.detokenizers.pop(request_id, None)
         return True
 
     def has_unfinished(self) -> bool:
@@ -130,12 +134,8 @@ class LLMEngine:
         outputs = []
         for seq, token in zip(seqs, tokens.tolist(), strict=True):
             reason = seq.append_token(token, self.eos_id)
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special=True)
-            if reason is None:
-                # a multi-byte character split across tokens decodes as U+FFFD until its last byte arrives
-                text = text.rstrip("\ufffd")
-            stop = self.stops[seq.request_id]
-            hit, new_text = stop.update(text, final=reason is not None)
+            text = self.detokenizers[seq.request_id].step(seq.output_token_ids, final=reason is not None)
+            hit, new_text = self.stops[seq.request_id].update(text, final=reason is not None)
             if hit and reason is None:
                 seq.finish(FinishReason.STOP)
             seq.output_text += new_text
@@ -145,6 +145,7 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 self.seqs.pop(seq.request_id, None)
                 self.stops.pop(seq.request_id, None)
+                self.detokenizers.pop(seq.request_id, None)
             outputs.append(RequestOutput(
                 seq.request_id, new_text, [token], seq.is_finished,
                 seq.finish_reason.value if seq.finish_reason else None, seq.num_prompt_tokens,

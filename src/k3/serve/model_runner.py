@@ -166,7 +166,7 @@ class ModelRunner:
                 groups[-1].append(work[i])
             else:
                 groups.append([work[i]])
-        ids = [t for i in order for t in work[i][0].all_token_ids[work[i][1] : work[i][1] + work[i][2]]]
+        ids = [t for i in order for t in work[i][0].token_ids(work[i][1], work[i][1] + work[i][2])]
         ends = torch.tensor([work[i][2] for i in order], device=self.device).cumsum(0) - 1  # last token of each
         with self._mla_path("auto"):
             logits = self.model(

@@ -132,7 +132,7 @@ def sample(
 class StopChecker:
     """Stop strings for detokenised streaming.
 
-    Call update(text) after each step with the whole text generated so far; it returns (finished,
+    Call update(new_text) after each step with the text that step added; it returns (finished,
     delta): delta is the new text that is now safe to send. Two rules make a stream never show any
     part of a stop string, even one split across tokens:
 
@@ -142,9 +142,9 @@ class StopChecker:
     - a tail of the text that could still grow into a stop string (a proper prefix of one) is held
       back until a later update shows it does not.
 
-    When generation ends for another reason (eos, max_tokens), call update(text, final=True): nothing
-    can follow, so the held-back tail is released. The text must only grow by appending (hold back
-    unfinished UTF-8 before calling). With no stop strings everything is emitted at once.
+    When generation ends for another reason (eos, max_tokens), call update(new_text, final=True):
+    nothing can follow, so the held-back tail is released. Work per call is O(new text + the longest
+    stop string): only the held-back tail is kept. With no stop strings everything is emitted at once.
     """
 
     def __init__(self, stop: Sequence[str] = ()) -> None:
@@ -153,28 +153,28 @@ class StopChecker:
             raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
         self.stop = stop
         self.max_len = max((len(s) for s in stop), default=0)
-        self.num_emitted = 0  # characters of the text already returned
+        self.held = ""  # text received but not yet sent: a proper prefix of some stop string
         self.finished = False
         self.matched: str | None = None  # the stop string that ended the output
 
-    def update(self, text: str, final: bool = False) -> tuple[bool, str]:
+    def update(self, new_text: str, final: bool = False) -> tuple[bool, str]:
         if self.finished:
             return True, ""
-        start = self.num_emitted
-        # everything before num_emitted was proven free of stop strings and of their starts, so any
-        # occurrence starts at or after it; the earliest one across all stop strings wins
-        hits = [(i, s) for s in self.stop if (i := text.find(s, start)) >= 0]
+        # everything sent was proven free of stop strings and of their starts, so any occurrence starts
+        # in the held-back tail or later; the earliest one across all stop strings wins
+        text = self.held + new_text
+        hits = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
         if hits:
             end, self.matched = min(hits, key=lambda h: h[0])
             self.finished = True
         else:
-            end = len(text) if final else self._safe_end(text, start)
-        self.num_emitted = max(start, end)
-        return self.finished, text[start:end]
+            end = len(text) if final else self._safe_end(text)
+        self.held = "" if self.finished else text[end:]
+        return self.finished, text[:end]
 
-    def _safe_end(self, text: str, start: int) -> int:
+    def _safe_end(self, text: str) -> int:
         """The first position from which the rest of the text is a proper prefix of a stop string."""
-        for p in range(max(start, len(text) - self.max_len + 1), len(text)):
+        for p in range(max(0, len(text) - self.max_len + 1), len(text)):
             tail = text[p:]
             if any(s.startswith(tail) for s in self.stop):
                 return p

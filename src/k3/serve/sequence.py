@@ -74,6 +74,16 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] (0 <= start <= end) without building the whole list: a decode step
+        reads one token of a sequence that may hold a million."""
+        P = len(self.prompt_token_ids)
+        if end <= P:
+            return self.prompt_token_ids[start:end]
+        if start >= P:
+            return self.output_token_ids[start - P : end - P]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - P]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
