@@ -120,6 +120,8 @@ def test_commit_match_and_checkpoints():
     assert (m64.latent_tokens, m64.resume_tokens, m64.latent_pages, m64.checkpoint_pages) == (64, 0, [], None)
 
     B = Sequence("B", b)
+    assert cache.match(B) == m  # a Sequence: the same match, from its memoised hashes
+    assert cache.match(Sequence("C", a[:64])) == m64
     cache.acquire(B, m)
     assert B.latent_pages == A.latent_pages[:4] and (B.num_computed_tokens, B.num_cached_tokens) == (64, 64)
     assert [pool.refcount(p) for p in B.latent_pages] == [2] * 4

@@ -126,18 +126,24 @@ class PrefixCache:
             positions.add(last)
         return sorted(positions)
 
-    def match(self, token_ids: list[int]) -> PrefixMatch:
-        """Walk the chained unit hashes of token_ids while their latents are cached; resume at the deepest
-        checkpoint below that. Changes no refcount, LRU order or counter."""
-        hashes, prev = [], _ROOT
-        for start in range(0, len(token_ids) - self.hash_block + 1, self.hash_block):
-            prev = chain_hash(prev, token_ids[start : start + self.hash_block])
-            if prev not in self._units:
+    def match(self, tokens: list[int] | Sequence) -> PrefixMatch:
+        """Walk the chained unit hashes of a prompt (token ids, or a Sequence: all its tokens, with the
+        hashes memoised, so a scheduler can probe a long waiting prompt every step for free) while their
+        latents are cached; resume at the deepest checkpoint below that. Changes no refcount, LRU order
+        or counter."""
+        if isinstance(tokens, Sequence):
+            num_tokens = tokens.num_tokens
+            all_hashes = iter(self._hashes(tokens, num_tokens // self.hash_block))
+        else:
+            num_tokens, all_hashes = len(tokens), self._chain(tokens)
+        hashes = []
+        for h in all_hashes:
+            if h not in self._units:
                 break
-            hashes.append(prev)
+            hashes.append(h)
         resume_units = 0
         for n in range(len(hashes), 0, -1):
-            if n * self.hash_block < len(token_ids) and hashes[n - 1] in self._ckpts:
+            if n * self.hash_block < num_tokens and hashes[n - 1] in self._ckpts:
                 resume_units = n
                 break
         used = hashes[:resume_units]
@@ -251,12 +257,19 @@ class PrefixCache:
         """The first n_units unit hashes of seq's tokens, extending the memo only as far as needed."""
         hashes = self._seq_hashes.setdefault(seq, [])
         if len(hashes) < n_units:
-            tokens, B = seq.all_token_ids, self.hash_block
+            B = self.hash_block
             prev = hashes[-1] if hashes else _ROOT
             for i in range(len(hashes), n_units):
-                prev = chain_hash(prev, tokens[i * B : (i + 1) * B])
+                prev = chain_hash(prev, seq.token_ids(i * B, (i + 1) * B))
                 hashes.append(prev)
         return hashes
+
+    def _chain(self, token_ids: list[int]):
+        """The chained unit hashes of token_ids, lazily: match() usually stops at the first miss."""
+        prev = _ROOT
+        for start in range(0, len(token_ids) - self.hash_block + 1, self.hash_block):
+            prev = chain_hash(prev, token_ids[start : start + self.hash_block])
+            yield prev
 
     def _copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages: a KDA page is S then the conv tail, with no padding."""

@@ -150,7 +150,7 @@ class Scheduler:
 
         def cost(seq: Sequence) -> tuple:
             overdue = now - seq.arrival_time > self.config.max_wait_s
-            cached = self.cache.match(seq.all_token_ids).resume_tokens if self.cache is not None else 0
+            cached = self.cache.match(seq).resume_tokens if self.cache is not None else 0
             return (not overdue, seq.status != SequenceStatus.PREEMPTED, seq.num_tokens - cached, seq.arrival_time)
 
         return sorted(self.waiting, key=cost)
@@ -161,7 +161,7 @@ class Scheduler:
             return False
         try:
             if self.cache is not None:
-                self.cache.acquire(seq, self.cache.match(seq.all_token_ids))
+                self.cache.acquire(seq, self.cache.match(seq))
             if not seq.state_pages:
                 seq.state_pages = self.pool.allocate(self.layout.n_kda)
         except OutOfPages:
