@@ -104,3 +104,27 @@ def test_one_forward_mixes_prefill_chunks_and_decodes(impl):
             if seq.num_computed_tokens == seq.num_tokens:  # prompt done or decoded: take the next token
                 seq.all_token_ids.append(int(row.argmax()))
     assert checked["decode"] >= 6 * 5 and checked["prefill"] >= 6
+
+
+def test_pieces_of_one_sequence_in_one_forward_and_snapshots():
+    """A prompt split into pieces (two of equal length) computed in one forward, the KDA state after
+    each of the first two written into snapshot pages on the way: every piece's last logits equal the
+    uncached forward, and each snapshot equals the state after that many tokens computed alone."""
+    model = tiny_model()
+    layout = PageLayout.from_config(model.config)
+    pool = PagePool(layout, num_pages=100, dtype=torch.float64)
+    runner = ModelRunner(model, pool)
+    prompt = torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(5)).tolist()
+    one, ref = (Seq(list(prompt), state_pages=pool.allocate(layout.n_kda)) for _ in range(2))
+    grow(pool, one, 50)
+    snaps = [pool.allocate(layout.n_kda) for _ in range(2)]
+    logits = runner.run([(one, 10, snaps[0]), (one, 10, snaps[1]), (one, 30)], [])
+    assert one.num_computed_tokens == 50
+    for row, end in zip(logits, (10, 20, 50), strict=True):
+        with torch.no_grad():
+            assert (row - model(torch.tensor([prompt[:end]])).logits[0, -1]).abs().max() < 1e-9
+    for pages, n in zip(snaps, (10, 10), strict=True):
+        grow(pool, ref, ref.num_computed_tokens + n)
+        runner.run([(ref, n)], [])
+        for view in (pool.kda_states(), pool.kda_conv()):
+            assert (view[pages] - view[ref.state_pages]).abs().max() < 1e-10  # not bitwise: other matmul shapes

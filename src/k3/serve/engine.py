@@ -111,16 +111,24 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        # every prefill chunk and every decode of the step in one forward
-        logits = self.runner.run([(c.seq, c.num_tokens) for c in batch.prefill], batch.decode)
+        # every prefill chunk and every decode of the step in one forward; a chunk ending at a checkpoint
+        # position has its KDA state written into pages reserved for the checkpoint as the forward goes
+        snapshots = [
+            self.cache.reserve_checkpoint(c.seq, c.end) if c.checkpoint and self.cache is not None else None
+            for c in batch.prefill
+        ]
+        logits = self.runner.run(
+            [(c.seq, c.num_tokens, pages) for c, pages in zip(batch.prefill, snapshots, strict=True)], batch.decode
+        )
         sampled: list[tuple[Sequence, torch.Tensor]] = []
-        for chunk, row in zip(batch.prefill, logits, strict=False):
-            if self.cache is not None:
-                self.cache.commit_latents(chunk.seq)
-                if chunk.checkpoint:
-                    self.cache.store_checkpoint(chunk.seq, chunk.seq.num_computed_tokens)
-            if chunk.seq.num_computed_tokens == chunk.seq.num_tokens:
+        for chunk, pages, row in zip(batch.prefill, snapshots, logits, strict=False):
+            if pages is not None:
+                self.cache.commit_checkpoint(chunk.seq, chunk.end, pages)
+            if chunk.end == chunk.seq.num_tokens:
                 sampled.append((chunk.seq, row))
+        if self.cache is not None:
+            for seq in {id(c.seq): c.seq for c in batch.prefill}.values():
+                self.cache.commit_latents(seq)
         sampled += list(zip(batch.decode, logits[len(batch.prefill) :], strict=True))
         outputs = self._postprocess(sampled)
         self.scheduler.step_seconds = 0.9 * self.scheduler.step_seconds + 0.1 * (time.perf_counter() - t0)

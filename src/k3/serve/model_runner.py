@@ -14,6 +14,7 @@ layer code serves the plain cache and the paged one:
 """
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -24,10 +25,14 @@ from k3.serve.pool import PagePool
 
 
 class PagedKDAState:
-    """KDALayerCache's interface for one KDA layer of B sequences; rows (B,) index the pool's pages."""
+    """KDALayerCache's interface for one KDA layer of B sequences; rows (B,) index the pool's pages.
 
-    def __init__(self, pool: PagePool, rows: torch.Tensor):
-        self.pool, self.rows = pool, rows
+    snapshot = (which, pages): also write rows `which` of every new state into those pages, a copy of
+    the state at this point of the forward (a prefix-cache checkpoint, taken without another pass).
+    """
+
+    def __init__(self, pool: PagePool, rows: torch.Tensor, snapshot: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.pool, self.rows, self.snapshot = pool, rows, snapshot
 
     @property
     def state(self) -> torch.Tensor:  # (B, H, K, V)
@@ -35,7 +40,7 @@ class PagedKDAState:
 
     @state.setter
     def state(self, value: torch.Tensor) -> None:
-        self.pool.kda_states().index_copy_(0, self.rows, value.to(self.pool.storage.dtype))
+        self._write(self.pool.kda_states(), value)
 
     @property
     def conv(self) -> torch.Tensor:  # (B, 2HK + HV, kernel − 1)
@@ -43,7 +48,14 @@ class PagedKDAState:
 
     @conv.setter
     def conv(self, value: torch.Tensor) -> None:
-        self.pool.kda_conv().index_copy_(0, self.rows, value.to(self.pool.storage.dtype))
+        self._write(self.pool.kda_conv(), value)
+
+    def _write(self, view: torch.Tensor, value: torch.Tensor) -> None:
+        value = value.to(view.dtype)
+        view.index_copy_(0, self.rows, value)
+        if self.snapshot is not None:
+            which, pages = self.snapshot
+            view.index_copy_(0, pages, value[which])
 
 
 class PagedMLALatents:
@@ -86,6 +98,18 @@ class PagedMLALatents:
         return torch.arange(L, device=device)[None, None] <= query_pos[..., None]
 
 
+@dataclass
+class _Piece:
+    """One sequence's tokens start … start + num_tokens − 1 in a step; `phase` orders the pieces of
+    one sequence."""
+
+    seq: object
+    start: int
+    num_tokens: int
+    phase: int
+    snapshot: list[int] | None
+
+
 class PagedCache:
     """What K3Model.forward takes as `cache`: one PackedLayerCache per layer."""
 
@@ -116,27 +140,34 @@ class ModelRunner:
             for m in self.mla:
                 m.impl = self.config.mla_impl
 
-    def _cache(self, groups: list[list[tuple]]) -> PagedCache:
-        """groups: lists of (seq, start, num_tokens) of equal num_tokens, in packed order."""
-        parts = []  # per group: its token range, rows, page tables, past lengths, KDA pages per layer
+    def _cache(self, groups: list[list[_Piece]]) -> PagedCache:
+        """groups: pieces of equal phase and length, in packed order."""
+        parts = []  # per group: its token range, rows, page tables, past lengths, KDA pages per layer, snapshots
         pos = 0
         for group in groups:
-            seqs = [s for s, _, _ in group]
+            seqs = [p.seq for p in group]
             width = max(1, max(len(s.latent_pages) for s in seqs))
             tables = [s.latent_pages + [0] * (width - len(s.latent_pages)) for s in seqs]
-            past = torch.tensor([start for _, start, _ in group], device=self.device)
+            past = torch.tensor([p.start for p in group], device=self.device)
             kda_rows = torch.tensor([s.state_pages for s in seqs], device=self.device).t()  # (n_kda, rows)
-            end = pos + len(group) * group[0][2]
-            parts.append((pos, end, len(group), torch.tensor(tables, device=self.device), past, kda_rows))
+            snap = [(i, p.snapshot) for i, p in enumerate(group) if p.snapshot is not None]
+            if snap:
+                which = torch.tensor([i for i, _ in snap], device=self.device)
+                snap = (which, torch.tensor([pages for _, pages in snap], device=self.device).t())  # (n_kda, ·)
+            end = pos + len(group) * group[0].num_tokens
+            parts.append((pos, end, len(group), torch.tensor(tables, device=self.device), past, kda_rows, snap))
             pos = end
         layers, kda, mla = [], 0, 0
         for kind in self.config.layer_types:
             if kind == "kda":
-                subs = [PagedKDAState(self.pool, rows[kda]) for *_, rows in parts]
+                subs = [
+                    PagedKDAState(self.pool, rows[kda], (snap[0], snap[1][kda]) if snap else None)
+                    for *_, rows, snap in parts
+                ]
                 kda += 1
             else:
                 rank = self.config.kv_lora_rank
-                subs = [PagedMLALatents(self.pool, mla, tables, past, rank) for *_, tables, past, _ in parts]
+                subs = [PagedMLALatents(self.pool, mla, tables, past, rank) for *_, tables, past, _, _ in parts]
                 mla += 1
             layers.append(PackedLayerCache([(s, e, n, sub) for (s, e, n, *_), sub in zip(parts, subs, strict=True)]))
         return PagedCache(layers)
@@ -151,29 +182,42 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, prefill: list[tuple], decode: list) -> torch.Tensor:
-        """One forward for the whole step. prefill: (seq, num_tokens) pairs, each computing the next
-        num_tokens of seq's prompt; decode: sequences whose every token but the last is computed.
-        Returns logits (len(prefill) + len(decode), vocab): each chunk's last position, then each decode."""
-        work = [(s, s.num_computed_tokens, n) for s, n in prefill] + [(s, s.num_tokens - 1, 1) for s in decode]
+        """One forward for the whole step.
+
+        prefill: (seq, num_tokens) or (seq, num_tokens, snapshot_pages) items, each computing the next
+        num_tokens of seq's prompt; several items of one sequence continue each other in list order
+        (they run one after another inside each layer). snapshot_pages: n_kda pages that receive the
+        sequence's KDA state (and conv tails) after the item. decode: sequences whose every token but
+        the last is computed.
+        Returns logits (len(prefill) + len(decode), vocab): each prefill item's last position, then each decode.
+        """
+        work, next_start, phase = [], {}, {}
+        for seq, n, *snapshot in prefill:
+            start = next_start.get(id(seq), seq.num_computed_tokens)
+            work.append(_Piece(seq, start, n, phase.get(id(seq), 0), snapshot[0] if snapshot else None))
+            next_start[id(seq)], phase[id(seq)] = start + n, phase.get(id(seq), 0) + 1
+        work += [_Piece(s, s.num_tokens - 1, 1, 0, None) for s in decode]
         if not work:
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        self.reset_state([s for s, start, _ in work if start == 0])
-        # equal lengths adjacent (stable, so the decodes stay in order); remember where each item went
-        order = sorted(range(len(work)), key=lambda i: work[i][2])
-        groups: list[list[tuple]] = []
+        self.reset_state([p.seq for p in work if p.start == 0])
+        # later pieces of a sequence after earlier ones; equal lengths adjacent (stable, so the decodes
+        # stay in order); remember where each item went
+        order = sorted(range(len(work)), key=lambda i: (work[i].phase, work[i].num_tokens))
+        groups: list[list[_Piece]] = []
         for i in order:
-            if groups and groups[-1][0][2] == work[i][2]:
-                groups[-1].append(work[i])
+            p = work[i]
+            if groups and (groups[-1][0].phase, groups[-1][0].num_tokens) == (p.phase, p.num_tokens):
+                groups[-1].append(p)
             else:
-                groups.append([work[i]])
-        ids = [t for i in order for t in work[i][0].token_ids(work[i][1], work[i][1] + work[i][2])]
-        ends = torch.tensor([work[i][2] for i in order], device=self.device).cumsum(0) - 1  # last token of each
+                groups.append([p])
+        ids = [t for i in order for t in work[i].seq.token_ids(work[i].start, work[i].start + work[i].num_tokens)]
+        ends = torch.tensor([work[i].num_tokens for i in order], device=self.device).cumsum(0) - 1  # last tokens
         with self._mla_path("auto"):
             logits = self.model(
                 torch.tensor([ids], device=self.device), cache=self._cache(groups), logits_at=ends
             ).logits[0]  # (items in packed order, vocab)
-        for seq, start, n in work:
-            seq.num_computed_tokens = start + n
+        for p in work:
+            p.seq.num_computed_tokens = max(p.seq.num_computed_tokens, p.start + p.num_tokens)
         back = torch.empty(len(order), dtype=torch.long, device=self.device)
         back[torch.tensor(order, device=self.device)] = torch.arange(len(order), device=self.device)
         return logits[back]

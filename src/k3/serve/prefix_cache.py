@@ -214,16 +214,36 @@ class PrefixCache:
                 f"a checkpoint must be at a positive multiple of hash_block = {self.hash_block} equal to the "
                 f"tokens computed; got position {position} for {seq!r}"
             )
-        h = self._hashes(seq, position // self.hash_block)[position // self.hash_block - 1]
-        if h in self._ckpts:
+        pages = self.reserve_checkpoint(seq, position)
+        if pages is not None:
+            self._copy_pages(seq.state_pages, pages)
+            self.commit_checkpoint(seq, position, pages)
+
+    def reserve_checkpoint(self, seq: Sequence, position: int) -> list[int] | None:
+        """n_kda fresh pages to receive seq's KDA state after `position` tokens (a positive multiple of
+        hash_block): the model runner writes them in the forward that computes that position, then
+        commit_checkpoint caches them. None, counted, when that checkpoint exists or no pages are left."""
+        if position <= 0 or position % self.hash_block or position > seq.num_tokens:
+            raise ValueError(
+                f"a checkpoint must be at a positive multiple of hash_block = {self.hash_block} within the "
+                f"sequence; got position {position} for {seq!r}"
+            )
+        if self._hashes(seq, position // self.hash_block)[-1] in self._ckpts:
             self.stats.checkpoints_existing += 1
-            return
+            return None
         try:
-            pages = self.pool.allocate(self.pool.layout.n_kda)
+            return self.pool.allocate(self.pool.layout.n_kda)
         except OutOfPages:
             self.stats.checkpoints_skipped += 1
+            return None
+
+    def commit_checkpoint(self, seq: Sequence, position: int, pages: list[int]) -> None:
+        """Cache reserved pages, now holding the state after `position` tokens, as that checkpoint."""
+        h = self._hashes(seq, position // self.hash_block)[position // self.hash_block - 1]
+        if h in self._ckpts:  # another sequence stored the same checkpoint in the meantime
+            self.pool.release(pages)
+            self.stats.checkpoints_existing += 1
             return
-        self._copy_pages(seq.state_pages, pages)
         for layer, page in enumerate(pages):
             self.pool.set_key(page, ("ckpt", h, layer))
         self._ckpts[h] = pages

@@ -9,6 +9,7 @@ is recomputed from its tokens later. The pool is never exceeded: every page come
 PagePool.allocate, which refuses rather than overcommits.
 """
 
+import itertools
 import math
 import time
 from collections import deque
@@ -39,8 +40,13 @@ class SchedulerConfig:
 @dataclass
 class PrefillChunk:
     seq: Sequence
+    start: int  # the first prompt position it computes
     num_tokens: int
     checkpoint: bool  # the chunk ends at a checkpoint position: store the KDA state after it
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
 
 
 @dataclass
@@ -174,19 +180,18 @@ class Scheduler:
         return True
 
     def _prefill(self, seq: Sequence, budget: int, batch: Batch) -> int:
-        """Schedule the next prompt chunk of seq; it ends at the next checkpoint position if one comes
-        first, so the KDA state there can be stored without an extra pass. Returns tokens used."""
+        """Schedule the next prompt tokens of seq, up to budget, as consecutive chunks split at the
+        checkpoint positions they cross: the runner computes them in one forward, one after another,
+        and stores the KDA state at each split without an extra pass. Returns tokens used."""
         start = seq.num_computed_tokens
         end = min(seq.num_tokens, start + budget)
-        checkpoint = False
-        if self.cache is not None:
-            for pos in self.cache.checkpoint_positions(seq.num_prompt_tokens):
-                if start < pos <= end:
-                    end, checkpoint = pos, True
-                    break
         if end <= start or not self._grow(seq, end, batch):
             return 0
-        batch.prefill.append(PrefillChunk(seq, end - start, checkpoint))
+        cuts = []
+        if self.cache is not None:
+            cuts = [pos for pos in self.cache.checkpoint_positions(seq.num_prompt_tokens) if start < pos <= end]
+        for a, b in itertools.pairwise([start, *cuts, *([end] if not cuts or cuts[-1] < end else [])]):
+            batch.prefill.append(PrefillChunk(seq, a, b - a, checkpoint=b in cuts))
         return end - start
 
     def _grow(self, seq: Sequence, tokens: int, batch: Batch) -> bool:
