@@ -123,7 +123,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ValueError("the prompt is empty")
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)  # fmt: skip
-        llm = LLM(args.ckpt, memory_budget=int(args.memory_budget * (1 << 20)))
+        budget = None if args.memory_budget is None else int(args.memory_budget * (1 << 20))
+        llm = LLM(args.ckpt, memory_budget=budget, num_pages=args.num_pages)
         print(llm.engine.describe(), file=sys.stderr)
         if args.stream:
             print(args.prompt, end="", flush=True)
@@ -242,7 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
-    gen.add_argument("--memory-budget", type=float, default=256, help="MiB for the engine's page pool")
+    size = gen.add_mutually_exclusive_group()
+    size.add_argument("--memory-budget", type=float, default=None, help="MiB for the engine's page pool (256)")
+    size.add_argument("--num-pages", type=int, default=None, help="the page pool's size in pages instead")
     gen.set_defaults(func=cmd_generate)
 
     plot = sub.add_parser("plot", help="draw a run's loss and MaxVio curves to PNG")

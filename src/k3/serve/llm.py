@@ -22,19 +22,21 @@ class Completion:
 class LLM:
     """A checkpoint (run folder or step folder) behind the engine.
 
-    memory_budget: bytes for the page pool (default 256 MiB); other keywords go to SchedulerConfig.
+    memory_budget: bytes for the page pool (default 256 MiB), or num_pages: its size in pages; other
+    keywords go to SchedulerConfig.
     """
 
-    def __init__(self, ckpt: str, memory_budget: int = 256 << 20, enable_prefix_caching: bool = True,
-                 device: str = "cpu", **scheduler_kwargs):  # fmt: skip
+    def __init__(self, ckpt: str, memory_budget: int | None = None, num_pages: int | None = None,
+                 enable_prefix_caching: bool = True, device: str = "cpu", **scheduler_kwargs):  # fmt: skip
         from k3.train.checkpoint import load_for_inference
 
+        if memory_budget is None and num_pages is None:
+            memory_budget = 256 << 20
+        config = EngineConfig(memory_budget=memory_budget, num_pages=num_pages,
+                              enable_prefix_caching=enable_prefix_caching,
+                              scheduler=SchedulerConfig(**scheduler_kwargs))  # fmt: skip
         model, self.tokenizer = load_for_inference(ckpt, device=device)
-        self.engine = LLMEngine(
-            model, self.tokenizer,
-            EngineConfig(memory_budget=memory_budget, enable_prefix_caching=enable_prefix_caching,
-                         scheduler=SchedulerConfig(**scheduler_kwargs)),
-        )  # fmt: skip
+        self.engine = LLMEngine(model, self.tokenizer, config)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:  # fmt: skip
