@@ -244,8 +244,8 @@ def first_token(eng: LLMEngine, prompt: list[int]) -> tuple[float, int, torch.Te
 
     def catching(prefill, decode):
         logits = run(prefill, decode)
-        if prefill:  # one request here: its chunk is the step's only prefill
-            caught.append(logits[0].clone())
+        if prefill:  # one request here: the step's last prefill piece ends where its prompt does
+            caught.append(logits[len(prefill) - 1].clone())
         return logits
 
     eng.runner.run = catching

@@ -45,7 +45,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 def prompts_with_shared_prefix(seed=0, n=6):
     rng = random.Random(seed)
-    system = [rng.randrange(256) for _ in range(70)]  # 4.4 units of 16 tokens: ends mid-unit
+    system = [rng.randrange(256) for _ in range(70)]  # 4.1 units of 17 tokens: ends mid-unit
     return [system + [rng.randrange(256) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
 
 

@@ -117,6 +117,8 @@ def test_pieces_of_one_sequence_in_one_forward_and_snapshots():
     prompt = torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(5)).tolist()
     one, ref = (Seq(list(prompt), state_pages=pool.allocate(layout.n_kda)) for _ in range(2))
     grow(pool, one, 50)
+    first = one.latent_pages[0]
+    assert one.latent_pages == list(range(first, first + len(one.latent_pages)))  # one run: read in place
     snaps = [pool.allocate(layout.n_kda) for _ in range(2)]
     logits = runner.run([(one, 10, snaps[0]), (one, 10, snaps[1]), (one, 30)], [])
     assert one.num_computed_tokens == 50

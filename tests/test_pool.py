@@ -20,12 +20,12 @@ def test_layout_tiny():
     assert (L.n_kda, L.n_mla, L.kda_heads, L.kda_head_dim, L.conv_width, L.latent_dim) == (3, 2, 2, 16, 3, 24)
     assert L.state_elems == 2 * 16 * 16 == 512
     assert L.conv_elems == 3 * (2 * 2 * 16 + 2 * 16) == 288
-    assert L.page_elems == 800 and L.bytes_per_page == 3200
-    assert L.page_tokens == 800 // (2 * 24) == 16
-    assert L.latent_padding == 800 - 16 * 48 == 32
-    assert L.latent_pages(0) == 0 and L.latent_pages(1) == 1 and L.latent_pages(16) == 1 and L.latent_pages(17) == 2
-    assert L.request_pages(8192) == 3 + 512
-    assert L.request_padding(8192) == 512 * 32 and L.request_padding(17) == 2 * 800 - 17 * 48
+    assert L.page_tokens == 17  # ceil(800 / (2 · 24)): the fewest tokens whose latents hold a state
+    assert L.page_elems == 17 * 48 == 816 and L.bytes_per_page == 3264
+    assert L.state_padding == 816 - 800 == 16
+    assert L.latent_pages(0) == 0 and L.latent_pages(1) == 1 and L.latent_pages(17) == 1 and L.latent_pages(18) == 2
+    assert L.request_pages(8192) == 3 + 482  # ceil(8192 / 17)
+    assert L.request_padding(8192) == 3 * 16 + (482 * 17 - 8192) * 48 and L.request_padding(17) == 3 * 16
 
 
 def test_layout_small():
@@ -34,38 +34,40 @@ def test_layout_small():
     assert (L.n_kda, L.n_mla, L.latent_dim) == (6, 3, 80)
     assert L.state_elems == 4 * 64 * 64 == 16384
     assert L.conv_elems == 3 * (3 * 4 * 64) == 2304
-    assert L.page_elems == 18688
-    assert L.page_tokens == 18688 // 240 == 77
-    assert L.latent_padding == 18688 - 77 * 240 == 208
-    assert L.request_pages(8192) == 6 + 107  # ceil(8192 / 77) = 107
+    assert L.page_tokens == 78  # ceil(18688 / 240)
+    assert L.page_elems == 78 * 240 == 18720
+    assert L.state_padding == 18720 - 18688 == 32
+    assert L.request_pages(8192) == 6 + 106  # ceil(8192 / 78) = 106
 
 
 def test_layout_k3():
     # 93 layers, MLA every 4th and the last: 24 MLA, 69 KDA; H = 96, K = V = 128, kernel 4; latent 512 + 64
     L = layout("k3")
     assert (L.n_kda, L.n_mla, L.latent_dim) == (69, 24, 576)
-    assert L.page_elems == 96 * 128 * 128 + 3 * (3 * 96 * 128) == 1_683_456
-    assert L.page_tokens == 1_683_456 // (24 * 576) == 121
-    assert L.latent_padding == 1_683_456 - 121 * 13_824 == 10_752
-    assert L.bytes_per_page == 6_733_824
-    assert L.request_pages(8192) == 69 + 68  # ceil(8192 / 121) = 68
+    assert L.state_elems + L.conv_elems == 96 * 128 * 128 + 3 * (3 * 96 * 128) == 1_683_456
+    assert L.page_tokens == 122  # ceil(1_683_456 / (24 · 576))
+    assert L.page_elems == 122 * 13_824 == 1_686_528
+    assert L.state_padding == 1_686_528 - 1_683_456 == 3_072
+    assert L.bytes_per_page == 6_746_112
+    assert L.request_pages(8192) == 69 + 68  # ceil(8192 / 122) = 68
 
 
-def test_layout_errors_and_no_mla():
-    # one token of latents larger than a KDA state: nothing fits
-    with pytest.raises(ValueError, match="do not fit in a page"):
-        PageLayout.from_config(K3Config.from_preset("tiny", kv_lora_rank=512))
+def test_layout_wide_latents_and_no_mla():
+    # one token of latents larger than a KDA state: a page is one token, the state page mostly padding
+    L = PageLayout.from_config(K3Config.from_preset("tiny", kv_lora_rank=512))
+    assert (L.page_tokens, L.page_elems, L.state_padding) == (1, 2 * 520, 2 * 520 - 800)
     L = PageLayout.from_config(K3Config.from_preset("tiny", full_attn_layers=()))
     assert (L.n_mla, L.page_tokens, L.latent_pages(1000), L.request_pages(1000)) == (0, 0, 0, 5)
+    assert L.page_elems == 800 and L.state_padding == 0
 
 
 # ---- views ------------------------------------------------------------------------------------------
 def test_views_write_through_at_the_right_offsets():
     L = layout("tiny")
     pool = PagePool(L, 4)
-    assert pool.storage.shape == (4, 800) and not pool.storage.any()
+    assert pool.storage.shape == (4, 816) and not pool.storage.any()
     S, conv, lat = pool.kda_states(), pool.kda_conv(), pool.latents()
-    assert S.shape == (4, 2, 16, 16) and conv.shape == (4, 96, 3) and lat.shape == (4, 2, 16, 24)
+    assert S.shape == (4, 2, 16, 16) and conv.shape == (4, 96, 3) and lat.shape == (4, 17, 2, 24)
     for view in (S, conv, lat):
         assert view.untyped_storage().data_ptr() == pool.storage.untyped_storage().data_ptr()
 
@@ -73,25 +75,27 @@ def test_views_write_through_at_the_right_offsets():
     assert pool.storage[1, 256 + 32 + 3] == 1.0 and pool.storage.count_nonzero() == 1
     conv[2, 5, 1] = 2.0  # after S: value 512 + 5·3 + 1 of page 2
     assert pool.storage[2, 512 + 15 + 1] == 2.0 and pool.storage.count_nonzero() == 2
-    lat[3, 1, 4, 7] = 3.0  # layer 1, token slot 4: 1·16·24 + 4·24 + 7 of page 3
-    assert pool.storage[3, 384 + 96 + 7] == 3.0 and pool.storage.count_nonzero() == 3
+    lat[3, 4, 1, 7] = 3.0  # token slot 4, layer 1: 4·(2·24) + 1·24 + 7 of page 3
+    assert pool.storage[3, 192 + 24 + 7] == 3.0 and pool.storage.count_nonzero() == 3
 
 
 def test_page_regions():
-    """S and conv tile a page exactly; latents cover the S region (and beyond) of the same page, the
-    rest is padding; pages are disjoint."""
+    """S and conv come first in a state page, the rest is padding; latents fill a page exactly and
+    run on across consecutive pages as one token per row; pages are disjoint."""
     L = layout("small")
     pool = PagePool(L, 3)
     pool.kda_states()[1] = 1
     pool.kda_conv()[1] += 2  # disjoint from S: no value gets 3
-    assert (pool.storage[1] > 0).all() and pool.storage[1].unique().tolist() == [1.0, 2.0]
+    row = pool.storage[1]
+    assert row[: L.page_elems - L.state_padding].unique().tolist() == [1.0, 2.0] and not row[-L.state_padding :].any()
     assert not pool.storage[0].any() and not pool.storage[2].any()
     pool.storage.zero_()
     pool.latents()[2] = 1
-    row = pool.storage[2]
-    assert row[: L.latent_elems].eq(1).all() and not row[L.latent_elems :].any()
-    assert L.latent_elems > L.state_elems  # overlapping S (and conv) is documented: a page is one or the other
-    assert L.latent_elems + L.latent_padding == L.page_elems
+    assert pool.storage[2].eq(1).all() and L.latent_elems == L.page_elems
+    assert not pool.storage[:2].any()
+    rows = pool.latent_rows()  # token slot p·P + t of layer m is latents()[p, t, m]
+    pool.latents()[1, L.page_tokens - 1, 2, 5] = 7.0
+    assert rows[2 * L.page_tokens - 1, 2, 5] == 7.0 and rows.shape == (3 * L.page_tokens, 3, 80)
 
 
 # ---- allocator ---------------------------------------------------------------------------------------
@@ -204,13 +208,13 @@ def test_cached_pages_and_lru_eviction():
 
 
 def test_from_budget():
-    L = layout("tiny")  # 3200 bytes a page, a request needs at least 3 + 1 pages
-    pool = PagePool.from_budget(L, 10 * 3200 + 3199)
-    assert pool.num_pages == 10 and pool.storage.shape == (10, 800) and pool.storage.dtype == torch.float32
-    assert PagePool.from_budget(L, 4 * 3200).num_pages == 4
-    with pytest.raises(ValueError, match=r"holds 3 pages of 3200 bytes; one request needs at least 4 pages \(12800"):
-        PagePool.from_budget(L, 4 * 3200 - 1)
-    assert PagePool.from_budget(L, 8 * 6400, dtype=torch.float64).num_pages == 8
+    L = layout("tiny")  # 3264 bytes a page, a request needs at least 3 + 1 pages
+    pool = PagePool.from_budget(L, 10 * 3264 + 3263)
+    assert pool.num_pages == 10 and pool.storage.shape == (10, 816) and pool.storage.dtype == torch.float32
+    assert PagePool.from_budget(L, 4 * 3264).num_pages == 4
+    with pytest.raises(ValueError, match=r"holds 3 pages of 3264 bytes; one request needs at least 4 pages \(13056"):
+        PagePool.from_budget(L, 4 * 3264 - 1)
+    assert PagePool.from_budget(L, 8 * 6528, dtype=torch.float64).num_pages == 8
     with pytest.raises(ValueError, match="at least one page"):
         PagePool(L, 0)
 
@@ -219,26 +223,27 @@ def test_capacity_and_describe():
     L = layout("tiny")
     pool = PagePool(L, 1000)
     c = pool.capacity(8192)
-    assert c["pages"] == 1000 and c["page_bytes"] == 3200 and c["memory_bytes"] == 3_200_000
-    assert c["page_tokens"] == 16 and c["latent_padding"] == 32 and c["tokens"] == 16_000
-    assert c["request_pages"] == 515 and c["requests_at_context"] == 1 and c["request_padding"] == 512 * 32
-    assert pool.capacity(1024)["requests_at_context"] == 1000 // 67
+    assert c["pages"] == 1000 and c["page_bytes"] == 3264 and c["memory_bytes"] == 3_264_000
+    assert c["page_tokens"] == 17 and c["state_padding"] == 16 and c["tokens"] == 17_000
+    # 3 state pages + ceil(8192 / 17) = 482 latent pages; padding: 3 × 16 + 2 unused token slots × 48
+    assert c["request_pages"] == 485 and c["requests_at_context"] == 2 and c["request_padding"] == 48 + 96
+    assert pool.capacity(1024)["requests_at_context"] == 1000 // (3 + 61)
     text = pool.describe(contexts=(1024, 8192, 65536))
-    for s in ("1,000 pages", "3.12 KiB", "P = 16 tokens", "2 MLA layers", "padding 32 values", "3 KDA state pages"):
+    for s in ("1,000 pages", "3.19 KiB", "P = 17 tokens", "2 MLA layers", "padding 16 values", "3 KDA state pages"):
         assert s in text, s
-    assert "max 14 concurrent" in text and "max 1 concurrent" in text and "does not fit" in text
+    assert "max 15 concurrent" in text and "max 2 concurrent" in text and "does not fit" in text
 
 
 def test_k3_capacity_without_memory():
     """The full model's start-up numbers, computed on the meta device so nothing is allocated."""
     L = layout("k3")
     pool = PagePool.from_budget(L, 80 * 2**30, device="meta")
-    assert pool.num_pages == 80 * 2**30 // 6_733_824 == 12_756
+    assert pool.num_pages == 80 * 2**30 // 6_746_112 == 12_733
     c = pool.capacity(8192)
-    assert c["request_pages"] == 137 and c["requests_at_context"] == 12_756 // 137 == 93
-    assert pool.kda_states().shape == (12_756, 96, 128, 128) and pool.latents().shape == (12_756, 24, 121, 576)
+    assert c["request_pages"] == 137 and c["requests_at_context"] == 12_733 // 137 == 92
+    assert pool.kda_states().shape == (12_733, 96, 128, 128) and pool.latents().shape == (12_733, 122, 24, 576)
     text = pool.describe()
-    assert "12,756 pages" in text and "P = 121 tokens" in text and "69 KDA state pages" in text
+    assert "12,733 pages" in text and "P = 122 tokens" in text and "69 KDA state pages" in text
 
 
 # ---- randomized -----------------------------------------------------------------------------------

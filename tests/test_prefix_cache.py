@@ -12,7 +12,11 @@ from k3.serve.sampling import SamplingParams
 from k3.serve.sequence import Sequence
 from tiny_models import tiny_model
 
-LAYOUT = PageLayout.from_config(K3Config.from_preset("tiny"))  # P = 16 tokens a page, 3 KDA layers
+# the tiny preset with a 9-dim k_pe: 2 MLA layers × 25 values × 16 tokens fill the 800-value KDA state
+# exactly, so a page is 16 tokens and the units below are round numbers; 3 KDA layers
+TINY16 = dict(qk_rope_head_dim=9)
+LAYOUT = PageLayout.from_config(K3Config.from_preset("tiny", **TINY16))
+assert LAYOUT.page_tokens == 16
 BLOCK = 32  # two latent pages a unit
 
 
@@ -197,7 +201,7 @@ class Harness:
     logit is checked against an uncached forward of the same tokens."""
 
     def __init__(self, num_pages: int):
-        self.model = tiny_model()
+        self.model = tiny_model(**TINY16)
         self.pool = PagePool(LAYOUT, num_pages, dtype=torch.float64)
         self.pool.storage.fill_(7.0)  # stale data must not leak into a request
         self.runner = ModelRunner(self.model, self.pool)

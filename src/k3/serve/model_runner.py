@@ -61,10 +61,13 @@ class PagedKDAState:
 class PagedMLALatents:
     """MLALayerCache's interface for one MLA layer of B sequences with their own lengths and page tables."""
 
-    def __init__(self, pool: PagePool, mla_index: int, tables: torch.Tensor, past: torch.Tensor, rank: int):
+    def __init__(self, pool: PagePool, mla_index: int, tables: torch.Tensor, past: torch.Tensor, rank: int,
+                 first_page: int | None = None):  # fmt: skip
         self.pool, self.mla_index, self.rank = pool, mla_index, rank
         self.tables = tables  # (B, pages) page ids, padded with page 0 past a sequence's own pages
         self.past = past  # (B,) tokens already cached per sequence
+        # B = 1 and the pages are first_page, first_page + 1, …: the latents are read in place
+        self.first_page = first_page
         self.T = 0
 
     def _slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,17 +80,22 @@ class PagedMLALatents:
         """Write (B, T, ·) new entries at each sequence's next positions; return (B, L, ·) for all."""
         B, T, _ = c_kv.shape
         self.T = T
-        latents = self.pool.latents()[:, self.mla_index]  # (pages, P, rank + rope)
+        latents = self.pool.latents()[:, :, self.mla_index]  # (pages, P, rank + rope)
         new = torch.arange(T, device=c_kv.device)[None] + self.past[:, None]  # (B, T)
         pages, slots = self._slots(new)
         latents[pages, slots] = torch.cat([c_kv, k_pe], dim=-1).to(latents.dtype)
-        # read whole pages (one contiguous block each), not token by token
         P, L = self.pool.layout.page_tokens, int(self.past.max()) + T
-        n = -(-L // P)
-        idx = self.tables[:, :n].flatten()
-        # into a buffer kept across steps: a fresh multi-MB tensor per layer and step costs page faults
-        buf = self.pool.scratch(len(idx) * latents[0].numel()).view(len(idx), *latents.shape[1:])
-        cached = torch.index_select(latents, 0, idx, out=buf).view(B, n * P, -1)[:, :L]
+        if self.first_page is not None:
+            # one run of pages: a strided view of the pool, no copy (rows n_mla·latent_dim apart)
+            start = self.first_page * P
+            cached = self.pool.latent_rows()[start : start + L, self.mla_index].unsqueeze(0)
+        else:
+            # read whole pages (P rows each), not token by token, into a buffer kept across steps: a
+            # fresh multi-MB tensor per layer and step costs page faults
+            n = -(-L // P)
+            idx = self.tables[:, :n].flatten()
+            buf = self.pool.scratch(len(idx) * latents[0].numel()).view(len(idx), *latents.shape[1:])
+            cached = torch.index_select(latents, 0, idx, out=buf).view(B, n * P, -1)[:, :L]
         cached = cached.to(c_kv.dtype)  # (B, L, rank + rope); rows past their length are padding
         return cached[..., : self.rank], cached[..., self.rank :]
 
@@ -155,7 +163,11 @@ class ModelRunner:
                 which = torch.tensor([i for i, _ in snap], device=self.device)
                 snap = (which, torch.tensor([pages for _, pages in snap], device=self.device).t())  # (n_kda, ·)
             end = pos + len(group) * group[0].num_tokens
-            parts.append((pos, end, len(group), torch.tensor(tables, device=self.device), past, kda_rows, snap))
+            pages = seqs[0].latent_pages
+            one_run = len(seqs) == 1 and pages and pages == list(range(pages[0], pages[0] + len(pages)))
+            first = pages[0] if one_run else None
+            tables = (torch.tensor(tables, device=self.device), first)
+            parts.append((pos, end, len(group), tables, past, kda_rows, snap))
             pos = end
         layers, kda, mla = [], 0, 0
         for kind in self.config.layer_types:
@@ -167,7 +179,10 @@ class ModelRunner:
                 kda += 1
             else:
                 rank = self.config.kv_lora_rank
-                subs = [PagedMLALatents(self.pool, mla, tables, past, rank) for *_, tables, past, _, _ in parts]
+                subs = [
+                    PagedMLALatents(self.pool, mla, tables, past, rank, first)
+                    for *_, (tables, first), past, _, _ in parts
+                ]
                 mla += 1
             layers.append(PackedLayerCache([(s, e, n, sub) for (s, e, n, *_), sub in zip(parts, subs, strict=True)]))
         return PagedCache(layers)

@@ -1,10 +1,13 @@
 """One paged pool (SPEC §3): every request's decoding state lives in equal-size pages of one tensor.
 
-A page is sized to hold exactly one KDA layer's decoding state, so a state never straddles pages:
-S (H, K, V) fp32 followed by the conv tail (2HK + HV, kernel−1). The same page, used for MLA, holds
-P tokens of latents for every MLA layer at once; what is left over is padding. A request at context
-T therefore takes n_kda state pages plus ceil(T / P) latent pages, and capacity is plain arithmetic
-on the page count, printed at start-up rather than discovered by running out.
+A page holds P tokens of MLA latents for every MLA layer, token-major (P, n_mla, latent_dim), with P
+the smallest number of tokens whose latents are at least one KDA layer's decoding state: S (H, K, V)
+fp32 followed by the conv tail (2HK + HV, kernel−1). So a KDA state fits one page (the rest of a
+state page is padding), and a latent page has no padding: the pool read as (pages·P, n_mla,
+latent_dim) rows is one token per row, and a request whose latent pages are consecutive has each
+MLA layer's latents as one strided view, read in place. A request at context T takes n_kda state
+pages plus ceil(T / P) latent pages, and capacity is plain arithmetic on the page count, printed at
+start-up rather than discovered by running out.
 
 One allocator hands out pages with reference counts (a cached prefix is shared by many requests)
 and one LRU policy reclaims pages that are cached under a key but no longer used by any request.
@@ -34,9 +37,9 @@ class OutOfPages(RuntimeError):
 class PageLayout:
     """What a page holds, derived from the model config.
 
-    A page is exactly one KDA layer's decoding state (so a KDA state never straddles pages):
-    page_elems = H·K·V + (kernel−1)·(2·H·K + H·V) values. The same page holds P tokens of MLA latents
-    for all MLA layers: P = page_elems // (n_mla · latent_dim); the rest of a latent page is padding.
+    P = ceil(kda_elems / (n_mla · latent_dim)) tokens of latents for all MLA layers, and
+    page_elems = P · n_mla · latent_dim, where kda_elems = H·K·V + (kernel−1)·(2·H·K + H·V) is one KDA
+    layer's decoding state; the rest of a state page is padding. Without MLA layers a page is one state.
     """
 
     page_elems: int
@@ -52,18 +55,13 @@ class PageLayout:
     def from_config(cls, config: K3Config) -> "PageLayout":
         H, K = config.kda_num_heads, config.kda_head_dim
         width = config.short_conv_kernel_size - 1
-        page_elems = H * K * K + width * (2 * H * K + H * K)
+        kda_elems = H * K * K + width * (2 * H * K + H * K)
         n_mla = config.layer_types.count("mla")
         latent_dim = config.kv_lora_rank + config.qk_rope_head_dim
-        P = page_elems // (n_mla * latent_dim) if n_mla else 0
-        if n_mla and P == 0:
-            raise ValueError(
-                f"one token's MLA latents ({n_mla} layers × {latent_dim} values) do not fit in a page "
-                f"sized by one KDA state ({page_elems} values); this config cannot be served from one pool"
-            )
+        P = -(-kda_elems // (n_mla * latent_dim)) if n_mla else 0
         return cls(
-            page_elems=page_elems, n_kda=len(config.layer_types) - n_mla, n_mla=n_mla, kda_heads=H,
-            kda_head_dim=K, conv_width=width, latent_dim=latent_dim, page_tokens=P,
+            page_elems=P * n_mla * latent_dim if n_mla else kda_elems, n_kda=len(config.layer_types) - n_mla,
+            n_mla=n_mla, kda_heads=H, kda_head_dim=K, conv_width=width, latent_dim=latent_dim, page_tokens=P,
         )  # fmt: skip
 
     @property
@@ -83,13 +81,13 @@ class PageLayout:
 
     @property
     def latent_elems(self) -> int:
-        """P·n_mla·latent_dim: the latent values at the start of a latent page."""
+        """P·n_mla·latent_dim: a whole latent page."""
         return self.page_tokens * self.n_mla * self.latent_dim
 
     @property
-    def latent_padding(self) -> int:
-        """Values of a latent page that hold nothing (a KDA page has no padding)."""
-        return self.page_elems - self.latent_elems
+    def state_padding(self) -> int:
+        """Values of a KDA state page that hold nothing (a latent page has no padding)."""
+        return self.page_elems - self.state_elems - self.conv_elems
 
     @property
     def bytes_per_page(self) -> int:
@@ -104,10 +102,10 @@ class PageLayout:
         return self.n_kda + self.latent_pages(tokens)
 
     def request_padding(self, tokens: int) -> int:
-        """Values a request at context `tokens` reserves but does not fill: latent-page padding plus the
-        unused token slots of its last latent page."""
-        n = self.latent_pages(tokens)
-        return n * self.page_elems - tokens * self.n_mla * self.latent_dim if self.n_mla else 0
+        """Values a request at context `tokens` reserves but does not fill: the padding of its state
+        pages plus the unused token slots of its last latent page."""
+        unused = self.latent_pages(tokens) * self.page_tokens - tokens if self.n_mla else 0
+        return self.n_kda * self.state_padding + unused * self.n_mla * self.latent_dim
 
 
 class PagePool:
@@ -173,11 +171,17 @@ class PagePool:
         )
 
     def latents(self) -> torch.Tensor:
-        """(N, n_mla, P, latent_dim): token t of a request sits in its latent page t // P at slot t % P.
+        """(N, P, n_mla, latent_dim): token t of a request sits in its latent page t // P at slot t % P.
 
         Overlaps kda_states() of the same page: a page holds either a KDA state or latents, never both."""
         L = self.layout
-        return self.storage[:, : L.latent_elems].view(self.num_pages, L.n_mla, L.page_tokens, L.latent_dim)
+        return self.storage.view(self.num_pages, L.page_tokens, L.n_mla, L.latent_dim)
+
+    def latent_rows(self) -> torch.Tensor:
+        """(N·P, n_mla, latent_dim): the latents one token slot per row, across page boundaries (a latent
+        page has no padding), so consecutive pages are one run of rows."""
+        L = self.layout
+        return self.storage.view(self.num_pages * L.page_tokens, L.n_mla, L.latent_dim)
 
     # ---- allocator --------------------------------------------------------------------------------
     @property
@@ -321,7 +325,7 @@ class PagePool:
             "page_bytes": page_bytes,
             "memory_bytes": self.num_pages * page_bytes,
             "page_tokens": L.page_tokens,
-            "latent_padding": L.latent_padding,  # per latent page
+            "state_padding": L.state_padding,  # per KDA state page
             "context": context,
             "request_pages": per_request,  # n_kda state pages + latent pages
             "request_padding": L.request_padding(context),
@@ -332,12 +336,12 @@ class PagePool:
     def describe(self, contexts: Iterable[int] = (1024, 8192, 131072, 1048576)) -> str:
         """A few lines for start-up: memory, pages, P, padding, and max concurrent requests per context."""
         L, cap = self.layout, self.capacity(1)
-        pad = f"{L.latent_padding:,} values ({L.latent_padding / L.page_elems:.1%})"
+        pad = f"{L.state_padding:,} values ({L.state_padding / L.page_elems:.1%})"
         lines = [
             f"page pool: {self.num_pages:,} pages × {_size(cap['page_bytes'])} = {_size(cap['memory_bytes'])} "
             f"({self.storage.dtype}, {self.storage.device})",
-            f"  page = one KDA layer's state: {L.state_elems:,} (S) + {L.conv_elems:,} (conv) values; "
-            f"or P = {L.page_tokens} tokens × {L.n_mla} MLA layers × {L.latent_dim} latent values, padding {pad}",
+            f"  page = P = {L.page_tokens} tokens × {L.n_mla} MLA layers × {L.latent_dim} latent values; "
+            f"or one KDA layer's state: {L.state_elems:,} (S) + {L.conv_elems:,} (conv) values, padding {pad}",
             f"  request = {L.n_kda} KDA state pages + ceil(tokens / {L.page_tokens}) latent pages; "
             f"{cap['tokens']:,} latent tokens in all",
         ]
