@@ -28,9 +28,11 @@ class MLALayerCache:
     def length(self) -> int:
         return 0 if self.latent is None else self.latent.shape[1]
 
-    def attention_mask(self, T: int, device: torch.device) -> torch.Tensor:
+    def attention_mask(self, T: int, device: torch.device) -> torch.Tensor | None:
         """(1, T, L): the T newest tokens see every cached one and each other causally (every row of
-        the batch has the same length here)."""
+        the batch has the same length here). None for T = 1: the one new token sees every key."""
+        if T == 1:
+            return None
         L = self.length
         return torch.ones(T, L, dtype=torch.bool, device=device).tril(L - T)[None]
 

@@ -77,10 +77,12 @@ class GatedMLA(nn.Module):
 
     def attend(self, q_nope, q_pe, c_kv, k_pe, cache: MLALayerCache | None) -> torch.Tensor:
         """This call's T queries against the cached latents and their own: o (B, T, H, v)."""
-        mask = None  # None: plain causal attention over this call's T tokens
+        # mask None: causal over this call's T tokens, which for T = 1 (a decode step whose rows all have
+        # the same length) means every key is seen, so a cache returns None then and nothing is masked
+        mask = None
         if cache is not None:
             c_kv, k_pe = cache.append(c_kv, k_pe)  # (B, L, ·): every cached token plus these T
-            mask = cache.attention_mask(q_nope.shape[1], q_nope.device)  # (B or 1, T, L)
+            mask = cache.attention_mask(q_nope.shape[1], q_nope.device)  # (B or 1, T, L), or None
         attend = self.absorbed if self.use_absorbed(q_nope.shape[1]) else self.naive
         return attend(q_nope, q_pe, c_kv, k_pe, mask)
 
@@ -102,7 +104,7 @@ class GatedMLA(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=None if mask is None else mask[:, None],
-            is_causal=mask is None,
+            is_causal=mask is None and q.shape[1] > 1,
             scale=self.scale,
         )  # fmt: skip
         return o.transpose(1, 2)
@@ -115,11 +117,15 @@ class GatedMLA(nn.Module):
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)  # the query, moved into latent space
         # (B, T·H, ·) @ (B, ·, L): every head and query against the cached latents in one matmul each,
         # reading c_kv and k_pe where they lie (transposed views, no copies of the long cache)
-        scores = q_lat.reshape(B, T * H, self.rank) @ c_kv.transpose(1, 2)
-        scores = scores.baddbmm_(q_pe.reshape(B, T * H, self.rope), k_pe.transpose(1, 2)) if self.rope else scores
-        if mask is None:
+        # (the scale is applied to the T·H queries rather than the T·H·L scores)
+        scores = (q_lat * self.scale).reshape(B, T * H, self.rank) @ c_kv.transpose(1, 2)
+        if self.rope:
+            scores = scores.baddbmm_((q_pe * self.scale).reshape(B, T * H, self.rope), k_pe.transpose(1, 2))
+        scores = at_least_fp32(scores.view(B, T, H, L))
+        if mask is None and T > 1:
             mask = causal_mask(T, L, scores.device)[None]
-        scores = (at_least_fp32(scores.view(B, T, H, L)) * self.scale).masked_fill(~mask[:, :, None], float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
         p = torch.softmax(scores, dim=-1).to(c_kv.dtype)
         ctx = p.view(B, T * H, L) @ c_kv  # attention-weighted latents (B, T·H, rank)
         return torch.einsum("bthr,hvr->bthv", ctx.view(B, T, H, self.rank), w_uv)

@@ -99,8 +99,11 @@ class PagedMLALatents:
         cached = cached.to(c_kv.dtype)  # (B, L, rank + rope); rows past their length are padding
         return cached[..., : self.rank], cached[..., self.rank :]
 
-    def attention_mask(self, T: int, device: torch.device) -> torch.Tensor:
-        """(B, T, L): query i of sequence b sits at past_b + i and sees keys 0 … past_b + i."""
+    def attention_mask(self, T: int, device: torch.device) -> torch.Tensor | None:
+        """(B, T, L): query i of sequence b sits at past_b + i and sees keys 0 … past_b + i. None for one
+        sequence and one new token: it sees every key."""
+        if T == 1 and len(self.past) == 1:
+            return None
         L = int(self.past.max()) + T
         query_pos = self.past[:, None] + torch.arange(T, device=device)[None]  # (B, T)
         return torch.arange(L, device=device)[None, None] <= query_pos[..., None]
