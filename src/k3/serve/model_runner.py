@@ -152,42 +152,41 @@ class ModelRunner:
                 m.impl = self.config.mla_impl
 
     def _cache(self, groups: list[list[_Piece]]) -> PagedCache:
-        """groups: pieces of equal phase and length, in packed order."""
-        parts = []  # per group: its token range, rows, page tables, past lengths, KDA pages per layer, snapshots
-        pos = 0
+        """groups: pieces of equal phase and length, in packed order -> one adapter per group and layer."""
+        dev = self.device
+        per_group, pos = [], 0
         for group in groups:
             seqs = [p.seq for p in group]
             width = max(1, max(len(s.latent_pages) for s in seqs))
             tables = [s.latent_pages + [0] * (width - len(s.latent_pages)) for s in seqs]
-            past = torch.tensor([p.start for p in group], device=self.device)
-            kda_rows = torch.tensor([s.state_pages for s in seqs], device=self.device).t()  # (n_kda, rows)
-            snap = [(i, p.snapshot) for i, p in enumerate(group) if p.snapshot is not None]
-            if snap:
-                which = torch.tensor([i for i, _ in snap], device=self.device)
-                snap = (which, torch.tensor([pages for _, pages in snap], device=self.device).t())  # (n_kda, ·)
-            end = pos + len(group) * group[0].num_tokens
             pages = seqs[0].latent_pages
             one_run = len(seqs) == 1 and pages and pages == list(range(pages[0], pages[0] + len(pages)))
-            first = pages[0] if one_run else None
-            tables = (torch.tensor(tables, device=self.device), first)
-            parts.append((pos, end, len(group), tables, past, kda_rows, snap))
+            snap = [(i, p.snapshot) for i, p in enumerate(group) if p.snapshot is not None]
+            end = pos + len(group) * group[0].num_tokens
+            per_group.append(dict(
+                range=(pos, end, len(group)),
+                kda_rows=torch.tensor([s.state_pages for s in seqs], device=dev).t(),  # (n_kda, rows)
+                # rows within the group, and their (n_kda, ·) checkpoint pages
+                snapshot=(torch.tensor([i for i, _ in snap], device=dev),
+                          torch.tensor([pages for _, pages in snap], device=dev).t()) if snap else None,
+                mla=dict(tables=torch.tensor(tables, device=dev), rank=self.config.kv_lora_rank,
+                         past=torch.tensor([p.start for p in group], device=dev),
+                         first_page=pages[0] if one_run else None),
+            ))  # fmt: skip
             pos = end
         layers, kda, mla = [], 0, 0
         for kind in self.config.layer_types:
             if kind == "kda":
                 subs = [
-                    PagedKDAState(self.pool, rows[kda], (snap[0], snap[1][kda]) if snap else None)
-                    for *_, rows, snap in parts
-                ]
+                    PagedKDAState(self.pool, g["kda_rows"][kda],
+                                  (g["snapshot"][0], g["snapshot"][1][kda]) if g["snapshot"] else None)
+                    for g in per_group
+                ]  # fmt: skip
                 kda += 1
             else:
-                rank = self.config.kv_lora_rank
-                subs = [
-                    PagedMLALatents(self.pool, mla, tables, past, rank, first)
-                    for *_, (tables, first), past, _, _ in parts
-                ]
+                subs = [PagedMLALatents(self.pool, mla, **g["mla"]) for g in per_group]
                 mla += 1
-            layers.append(PackedLayerCache([(s, e, n, sub) for (s, e, n, *_), sub in zip(parts, subs, strict=True)]))
+            layers.append(PackedLayerCache([(*g["range"], sub) for g, sub in zip(per_group, subs, strict=True)]))
         return PagedCache(layers)
 
     def reset_state(self, seqs: list) -> None:
