@@ -143,9 +143,11 @@ def test_router_bias_selects_but_does_not_weigh():
     assert torch.equal(biased.loads_E, torch.bincount(biased.experts_TK.flatten(), minlength=6))
 
 
-def test_latent_moe_matches_per_token_reference():
+@pytest.mark.parametrize("merge_elements", [1 << 18, 0])  # merged experts (few tokens), one chain each (many)
+def test_latent_moe_matches_per_token_reference(merge_elements, monkeypatch):
+    monkeypatch.setattr("k3.model.moe.MERGE_ELEMENTS", merge_elements)
     moe = randomized(LatentMoE(TINY))
-    x = torch.randn(3, 7, TINY.hidden_size, dtype=torch.float64)
+    x = torch.randn(3, 7, TINY.hidden_size, dtype=torch.float64, requires_grad=True)
     y = moe(x)
     r = moe.last_routing
     x_TD = x.reshape(-1, TINY.hidden_size)
@@ -157,7 +159,15 @@ def test_latent_moe_matches_per_token_reference():
             for w, e in zip(r.weights_TK[t], r.experts_TK[t].tolist(), strict=True)
         )
         rows.append(moe.routed_expert_up_proj(moe.routed_expert_norm(u)) + moe.shared_experts(x_TD[t]))
-    assert torch.allclose(y.reshape(-1, TINY.hidden_size), torch.stack(rows), atol=1e-12)
+    ref = torch.stack(rows)
+    assert torch.allclose(y.reshape(-1, TINY.hidden_size), ref, atol=1e-12)
+    # and the gradients, to the input and every expert weight, through either dispatch
+    w = torch.randn_like(ref)
+    params = [x, *moe.parameters()]
+    got = torch.autograd.grad((y.reshape(-1, TINY.hidden_size) * w).sum(), params, allow_unused=True, retain_graph=True)
+    want = torch.autograd.grad((ref * w).sum(), params, allow_unused=True)
+    for g, h in zip(got, want, strict=True):
+        assert (g is None and h is None) or torch.allclose(g, h, atol=1e-12)
 
 
 def test_attn_res_zero_query_is_uniform_average():
