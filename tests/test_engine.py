@@ -97,6 +97,9 @@ def test_admission_errors(model):
     assert exc.value.retry_after > 0 and "2 requests" in str(exc.value)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         eng.add_request([10_000], GREEDY)
+    with pytest.raises(TypeError, match="a prompt is a string or a list of token ids, got NoneType"):
+        eng.add_request(None, GREEDY)
+    assert len(eng.scheduler.waiting) == 2  # nothing bad was queued
 
 
 def test_randomized_workload_returns_every_page(model):

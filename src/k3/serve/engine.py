@@ -80,6 +80,8 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:  # fmt: skip
         params = params or SamplingParams()
+        if not isinstance(prompt, (str, list, tuple)):
+            raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
