@@ -31,6 +31,9 @@ def test_generate_stream_and_abort(ckpt):
     assert seeded[0] == seeded[1]
     with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
         llm.generate(["a", "b"], [greedy])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate(["fine", ""], greedy)
+    assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0  # "fine" was not left queued
 
 
 def test_cli_generate_uses_the_engine(ckpt, capsys):

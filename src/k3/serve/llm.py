@@ -46,7 +46,14 @@ class LLM:
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids = []
+        try:
+            for p, sp in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(p, sp))
+        except Exception:
+            for request_id in ids:  # all or nothing: a bad prompt leaves no earlier one queued
+                self.engine.abort(request_id)
+            raise
         done: dict[str, Completion] = {}
         texts = {i: [] for i in ids}
         tokens = {i: [] for i in ids}
