@@ -3,6 +3,7 @@ quickstart, and readable errors."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,6 +88,8 @@ def test_quickstart_and_plot(tmp_path, corpus, capsys):
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "validation loss:" in text and "def fibonacci(n):" in text and "k3 generate --ckpt" in text
+    assert re.search(r"served 7 more requests sharing their first \d+ prompt tokens", text)
+    assert "prompt tokens came from the prefix cache" in text and "from the prefix cache (0 resumed" not in text
     for name in ("loss.png", "maxvio.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["plot", str(out)]) == 0

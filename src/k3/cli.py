@@ -151,9 +151,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
-    """Train the small preset on the standard library's source, then sample from it and plot the run."""
-    from k3.model import generate
-    from k3.train.checkpoint import load_for_inference, step_dirs
+    """Train the small preset on the standard library's source, then sample from it and serve a batch
+    of requests through the engine, and plot the run."""
+    from k3.serve.llm import LLM
+    from k3.train.checkpoint import step_dirs
     from k3.train.plot import plot_run
     from k3.train.trainer import Trainer
 
@@ -167,22 +168,48 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
               f"({trainer.config.layer_types.count('kda')} KDA + {trainer.config.layer_types.count('mla')} MLA), "
               f"{trainer.train_data.num_sequences * args.seq_len / 1e6:.1f}M training tokens")  # fmt: skip
         summary = trainer.train()
-        model, tokenizer = load_for_inference(out)
+        llm = LLM(str(out), memory_budget=64 << 20)
     except USER_ERRORS as e:
         return _fail("quickstart", e)
     print(f"\nvalidation loss: {summary.get('val_loss', float('nan')):.3f} nats/token after {trainer.step} steps")
-    ids = torch.tensor([tokenizer.encode(QUICKSTART_PROMPT)])
-    sample = generate(
-        model, ids, args.sample_tokens, temperature=0.8, top_p=0.95, seed=0, eos_token_id=tokenizer.eos_id
-    )
+    sample = llm.generate(QUICKSTART_PROMPT, _sampling(args.sample_tokens, seed=0))[0]
     rule = "-" * 60
-    print(f"\nsample (temperature 0.8, top-p 0.95, seed 0):\n{rule}\n{tokenizer.decode(sample[0].tolist())}\n{rule}")
+    print(f"\nsample (temperature 0.8, top-p 0.95, seed 0):\n{rule}\n{QUICKSTART_PROMPT}{sample.text}\n{rule}")
+    _serve_demo(llm, args.sample_tokens)
     for path in plot_run(out):
         print(f"wrote {path}")
-    print(f"\nnext:\n  k3 generate --ckpt {out} --max-tokens 200 \"import os\\n\"\n"
+    print(f"\nnext:\n  k3 generate --ckpt {out} --max-tokens 200 --stream \"import os\\n\"\n"
           f"  k3 train --preset small --steps 2000 --out runs/longer     # train longer\n"
           f"  k3 params --preset k3                                      # the full 2.8T model, counted")  # fmt: skip
     return 0
+
+
+def _sampling(max_tokens: int, seed: int):
+    from k3.serve.sampling import SamplingParams
+
+    return SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens, seed=seed)
+
+
+def _serve_demo(llm, max_tokens: int, requests: int = 8) -> None:
+    """What serving adds: requests sharing a prefix (a stdlib module's opening), batched by the engine,
+    the shared part read from the prefix cache after the first request computed it."""
+    import textwrap
+    import time
+
+    prefix = Path(textwrap.__file__).read_text(encoding="utf-8")[:1500]
+    prompts = [f"{prefix}\n\ndef helper_{i}(text):\n" for i in range(requests)]
+    llm.generate(prompts[0], _sampling(1, seed=0))  # the first request: computes the prefix, fills the cache
+    start = time.perf_counter()
+    outs = llm.generate(prompts[1:], [_sampling(max_tokens, seed=i) for i in range(1, requests)])
+    seconds = time.perf_counter() - start
+    m = llm.engine.metrics()
+    a, b = (llm.tokenizer.encode(p) for p in prompts[:2])
+    shared = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    print(f"\nserved {requests - 1} more requests sharing their first {shared} prompt tokens in "
+          f"{seconds:.1f} s, batched: {sum(len(o.token_ids) for o in outs) / seconds:.0f} output tokens/s; "
+          f"{sum(o.num_cached_tokens for o in outs):,} of {sum(o.num_prompt_tokens for o in outs):,} prompt tokens "
+          f"came from the prefix cache ({m['state_hit_tokens']:,} resumed from KDA checkpoints)")  # fmt: skip
+    print(llm.engine.describe().splitlines()[0])
 
 
 def _add_train_flags(p: argparse.ArgumentParser, **defaults) -> None:
