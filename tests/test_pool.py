@@ -79,6 +79,16 @@ def test_views_write_through_at_the_right_offsets():
     assert pool.storage[3, 192 + 24 + 7] == 3.0 and pool.storage.count_nonzero() == 3
 
 
+def test_scratch_is_reused_and_bounded():
+    pool = PagePool(layout("tiny"), 8)  # 8 × 816 values; a quarter is 1632
+    a = pool.scratch(1000)
+    a.fill_(1.0)
+    b = pool.scratch(600)
+    assert b.data_ptr() == a.data_ptr() and b.numel() == 600 and not pool.storage.any()  # reused, not the pages
+    big = pool.scratch(5000)  # over a quarter of the pool: a tensor of its own, not kept
+    assert big.numel() == 5000 and pool.scratch(1000).data_ptr() == a.data_ptr()
+
+
 def test_page_regions():
     """S and conv come first in a state page, the rest is padding; latents fill a page exactly and
     run on across consecutive pages as one token per row; pages are disjoint."""

@@ -151,8 +151,12 @@ class PagePool:
         return cls(layout, memory_bytes // page_bytes, device=device, dtype=dtype)
 
     def scratch(self, numel: int) -> torch.Tensor:
-        """A reusable 1-D buffer of at least `numel` values in the pool's dtype, for the model runner's
-        gathers of cached latents; grown, never shrunk. Its contents are overwritten by each user."""
+        """A reusable 1-D buffer of `numel` values in the pool's dtype, for the model runner's gathers of
+        cached latents; its contents are overwritten by each user. Kept (grown, never shrunk) up to a
+        quarter of the pool's size, so its memory stays a bounded share of what the budget printed;
+        a larger request gets a tensor of its own."""
+        if numel > self.storage.numel() // 4:
+            return self.storage.new_empty(numel)
         if self._scratch.numel() < numel:
             self._scratch = self.storage.new_empty(numel)
         return self._scratch[:numel]
