@@ -93,17 +93,13 @@ def mla_impl(model: K3Model, impl: str):
 
 @contextlib.contextmanager
 def engine_mla(eng: LLMEngine, impl: str | None):
-    """Force the MLA path the engine's runner uses (None keeps its own: "auto", absorbed for decodes).
-    Forcing "naive" for decode shows what the absorbed path buys at long context."""
+    """Force the MLA path of the engine's model (None keeps the configured "auto": absorbed for
+    decodes). Forcing "naive" for decode shows what the absorbed path buys at long context."""
     if impl is None:
         yield
         return
-    choose = eng.runner._mla_path
-    eng.runner._mla_path = lambda _: choose(impl)
-    try:
+    with mla_impl(eng.model, impl):
         yield
-    finally:
-        del eng.runner._mla_path
 
 
 def cpu_name() -> str:
@@ -137,7 +133,7 @@ def throughput(k3: K3Model, llama: LlamaForCausalLM, args) -> dict:
 
         # one request at a time makes the same tokens/s whatever N is: time the first k requests
         t0 = time.perf_counter()
-        with mla_impl(k3, k3.config.mla_impl):  # the model as configured, whatever the engine left set
+        with mla_impl(k3, k3.config.mla_impl):  # the model as configured
             seq_out = [generate(k3, prompts[i : i + 1], O, temperature=0)[0, P:].tolist() for i in range(k)]
         seq_s.append((time.perf_counter() - t0) * N / k)
         same = sum(a == b for a, b in zip(seq_out, outs, strict=False))

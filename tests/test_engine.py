@@ -123,3 +123,29 @@ def test_randomized_workload_returns_every_page(model):
     assert finished + aborted == 300
     assert eng.pool.num_used == 0  # only cached (evictable) or free pages remain
     eng.pool.check()
+
+
+def test_a_failed_forward_leaks_no_pages(model):
+    """The forward raises (say, out of memory) in a step that reserved checkpoint pages: they come back,
+    and the next steps recompute the same chunk and finish exactly."""
+    eng = engine(model, num_pages=200, caching=True, max_batched_tokens=64)
+    prompt = list(range(1, 60))
+    want = generate(model, torch.tensor([prompt]), 4, temperature=0)[0, len(prompt) :].tolist()
+    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    run = eng.runner.run
+
+    def failing(prefill, decode):
+        assert any(len(item) == 3 and item[2] is not None for item in prefill)  # a checkpoint was reserved
+        raise MemoryError("out of memory")
+
+    eng.runner.run = failing
+    with pytest.raises(MemoryError):
+        eng.step()
+    eng.runner.run = run
+    tokens = []
+    while eng.has_unfinished():
+        tokens += [t for o in eng.step() if o.request_id == rid for t in o.new_token_ids]
+    assert tokens == want
+    eng.cache.clear()
+    assert eng.pool.num_used == 0
+    eng.pool.check()

@@ -159,6 +159,27 @@ def test_commit_match_and_checkpoints():
     assert pool.num_free == pool.num_pages
 
 
+def test_reserve_checkpoint_looks_at_its_own_unit():
+    """A sequence whose later unit has a checkpoint (and whose unit hashes are all memoised, as the
+    scheduler's match() leaves them) still reserves one for an earlier unit."""
+    pool = PagePool(LAYOUT, 32)
+    cache = PrefixCache(pool, BLOCK, checkpoint_interval=BLOCK)
+    a = tokens(70, 0)
+    A = Sequence("A", a)
+    computed(pool, A, 64)
+    cache.store_checkpoint(A, 64)
+    B = Sequence("B", list(a))
+    cache.match(B)  # memoises both unit hashes of B
+    computed(pool, B, 32)
+    pages = cache.reserve_checkpoint(B, 32)
+    assert pages is not None and cache.stats.checkpoints_existing == 0
+    cache.commit_checkpoint(B, 32, pages)
+    assert cache.num_checkpoints == 2 and cache.reserve_checkpoint(B, 64) is None
+    assert cache.stats.checkpoints_existing == 1
+    cache.check()
+    pool.check()
+
+
 def test_eviction_drops_whole_groups():
     pool = PagePool(LAYOUT, 12)
     cache = PrefixCache(pool, BLOCK, checkpoint_interval=BLOCK)

@@ -15,7 +15,8 @@ from k3.config import K3Config
 
 @dataclass
 class KDALayerCache:
-    state: torch.Tensor | None = None  # (B, H, K, V) fp32
+    # (B, H, K, V) fp32; a decode step (one token, no autograd) updates it in place: clone it to keep a snapshot
+    state: torch.Tensor | None = None
     conv: torch.Tensor | None = None  # the last kernel−1 inputs of the q, k, v convolutions: (B, 2HK + HV, kernel−1)
 
 

@@ -119,9 +119,13 @@ class LLMEngine:
             self.cache.reserve_checkpoint(c.seq, c.end) if c.checkpoint and self.cache is not None else None
             for c in batch.prefill
         ]
-        logits = self.runner.run(
-            [(c.seq, c.num_tokens, pages) for c, pages in zip(batch.prefill, snapshots, strict=True)], batch.decode
-        )
+        try:
+            logits = self.runner.run(
+                [(c.seq, c.num_tokens, pages) for c, pages in zip(batch.prefill, snapshots, strict=True)], batch.decode
+            )
+        except BaseException:
+            self.pool.release([p for pages in snapshots if pages is not None for p in pages])
+            raise
         sampled: list[tuple[Sequence, torch.Tensor]] = []
         for chunk, pages, row in zip(batch.prefill, snapshots, logits, strict=False):
             if pages is not None:

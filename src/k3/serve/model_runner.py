@@ -13,13 +13,11 @@ layer code serves the plain cache and the paged one:
   longest, with the mask that hides the padding and keeps attention causal.
 """
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from k3.model.cache import PackedLayerCache
-from k3.model.mla import GatedMLA
 from k3.model.model import K3Model
 from k3.serve.pool import PagePool
 
@@ -136,20 +134,6 @@ class ModelRunner:
         self.model, self.pool = model.eval(), pool
         self.config = model.config
         self.device = pool.storage.device
-        self.mla = [m for m in model.modules() if isinstance(m, GatedMLA)]
-
-    @contextlib.contextmanager
-    def _mla_path(self, impl: str):
-        """The MLA path of every call: "auto" takes per group the one with fewer FLOPs (per-head keys
-        and values materialised once for a long prefill chunk, latent-space attention for decodes).
-        The model is shared: its configured path is restored afterwards."""
-        for m in self.mla:
-            m.impl = impl
-        try:
-            yield
-        finally:
-            for m in self.mla:
-                m.impl = self.config.mla_impl
 
     def _cache(self, groups: list[list[_Piece]]) -> PagedCache:
         """groups: pieces of equal phase and length, in packed order -> one adapter per group and layer."""
@@ -229,10 +213,11 @@ class ModelRunner:
                 groups.append([p])
         ids = [t for i in order for t in work[i].seq.token_ids(work[i].start, work[i].start + work[i].num_tokens)]
         ends = torch.tensor([work[i].num_tokens for i in order], device=self.device).cumsum(0) - 1  # last tokens
-        with self._mla_path("auto"):
-            logits = self.model(
-                torch.tensor([ids], device=self.device), cache=self._cache(groups), logits_at=ends
-            ).logits[0]  # (items in packed order, vocab)
+        # each MLA layer takes the model's configured path; the default, "auto", picks per group
+        # (latent-space attention for decodes, per-head keys and values for long prefill chunks)
+        logits = self.model(torch.tensor([ids], device=self.device), cache=self._cache(groups), logits_at=ends).logits[
+            0
+        ]
         for p in work:
             p.seq.num_computed_tokens = max(p.seq.num_computed_tokens, p.start + p.num_tokens)
         back = torch.empty(len(order), dtype=torch.long, device=self.device)

@@ -228,7 +228,7 @@ class PrefixCache:
                 f"a checkpoint must be at a positive multiple of hash_block = {self.hash_block} within the "
                 f"sequence; got position {position} for {seq!r}"
             )
-        if self._hashes(seq, position // self.hash_block)[-1] in self._ckpts:
+        if self._hashes(seq, position // self.hash_block)[position // self.hash_block - 1] in self._ckpts:
             self.stats.checkpoints_existing += 1
             return None
         try:
