@@ -66,7 +66,6 @@ class PagedMLALatents:
         self.past = past  # (B,) tokens already cached per sequence
         # B = 1 and the pages are first_page, first_page + 1, …: the latents are read in place
         self.first_page = first_page
-        self.T = 0
 
     def _slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, n) token positions -> the page and the slot in it of each."""
@@ -77,7 +76,6 @@ class PagedMLALatents:
     def append(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write (B, T, ·) new entries at each sequence's next positions; return (B, L, ·) for all."""
         B, T, _ = c_kv.shape
-        self.T = T
         latents = self.pool.latents()[:, :, self.mla_index]  # (pages, P, rank + rope)
         new = torch.arange(T, device=c_kv.device)[None] + self.past[:, None]  # (B, T)
         pages, slots = self._slots(new)

@@ -16,7 +16,7 @@ are there, so the eviction of any one of them drops the whole group.
 import hashlib
 import struct
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, fields
 
 import torch
@@ -36,13 +36,17 @@ def chain_hash(prev: int, tokens: list[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def unit_hashes(token_ids: list[int], hash_block: int) -> list[int]:
-    """The chained hashes of every full unit of token_ids; a trailing partial unit is not hashed."""
-    hashes, prev = [], _ROOT
+def iter_unit_hashes(token_ids: list[int], hash_block: int) -> Iterator[int]:
+    """The chained hashes of every full unit of token_ids, lazily (a lookup usually stops at its first
+    miss); a trailing partial unit is not hashed."""
+    prev = _ROOT
     for start in range(0, len(token_ids) - hash_block + 1, hash_block):
         prev = chain_hash(prev, token_ids[start : start + hash_block])
-        hashes.append(prev)
-    return hashes
+        yield prev
+
+
+def unit_hashes(token_ids: list[int], hash_block: int) -> list[int]:
+    return list(iter_unit_hashes(token_ids, hash_block))
 
 
 @dataclass
@@ -135,7 +139,7 @@ class PrefixCache:
             num_tokens = tokens.num_tokens
             all_hashes = iter(self._hashes(tokens, num_tokens // self.hash_block))
         else:
-            num_tokens, all_hashes = len(tokens), self._chain(tokens)
+            num_tokens, all_hashes = len(tokens), iter_unit_hashes(tokens, self.hash_block)
         hashes = []
         for h in all_hashes:
             if h not in self._units:
@@ -283,13 +287,6 @@ class PrefixCache:
                 prev = chain_hash(prev, seq.token_ids(i * B, (i + 1) * B))
                 hashes.append(prev)
         return hashes
-
-    def _chain(self, token_ids: list[int]):
-        """The chained unit hashes of token_ids, lazily: match() usually stops at the first miss."""
-        prev = _ROOT
-        for start in range(0, len(token_ids) - self.hash_block + 1, self.hash_block):
-            prev = chain_hash(prev, token_ids[start : start + self.hash_block])
-            yield prev
 
     def _copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages: a KDA page is S then the conv tail, with no padding."""
