@@ -1,0 +1,257 @@
+"""`k3 export`: a model folder in the release layout (SPEC §1) from a run, step or model folder.
+
+    config.json                  K3Config.to_hf() (official nesting) with the top-level architecture;
+                                 with MXFP4, the release's quantization_config inside text_config
+    model.safetensors            or model-0000i-of-0000N.safetensors + model.safetensors.index.json
+    generation_config.json       eos / pad / bos token ids
+    tokenizer.json               the run's byte-level BPE, and tokenizer_config.json for HF loaders
+
+Tensors keep the dtype they have in the model (fp32 for k3 runs), except A_log, written padded to the
+released 128 values, and routed experts under --quantize mxfp4, written packed. The folder is written
+beside its destination under a hidden name, fsynced, then renamed into place: a failed export leaves
+nothing behind and an existing folder untouched (with force, it is replaced only once the new one is
+complete).
+"""
+
+import json
+import os
+import re
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from k3.config import K3Config
+from k3.hub.folder import INDEX, SINGLE, ModelFolderError
+from k3.hub.layout import EXPERT_WEIGHT, release_name
+from k3.model.names import RELEASED_A_LOG_SIZE
+
+ARCHITECTURES = {"language_model": "KimiK3ForConditionalGeneration", "model": "KimiK3ForCausalLM"}
+MODEL_TYPE = "kimi_k3"
+
+
+def mxfp4_quantization_config() -> dict[str, Any]:
+    """The release's quantization_config: compressed-tensors MXFP4 on the routed experts only; everything
+    else (attention, shared experts, the dense MLP, lm_head, vision tower, projector) stays unquantised."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "float",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": 32,
+                    "dynamic": False,
+                    "actorder": None,
+                    "observer": "minmax",
+                    "observer_kwargs": {},
+                    "scale_dtype": "torch.uint8",
+                    "zp_dtype": None,
+                },
+                "input_activations": None,
+                "output_activations": None,
+                "format": "mxfp4-pack-quantized",
+            }
+        },
+        "ignore": [
+            "lm_head",
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            "re:.*mlp\\.(gate|up|down)_proj.*",
+            "re:.*block_sparse_moe\\.gate.*",
+            "re:.*routed_expert_(down|up)_proj.*",
+            "re:.*_res_proj.*",
+            "re:vision_tower.*",
+            "re:mm_projector.*",
+        ],
+        "kv_cache_scheme": None,
+    }
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000 bytes. Units: B, KB, MB, GB, TB (powers of 1000, as HF shards) and KiB, MiB,
+    GiB (powers of 1024); a bare number is bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"shard size {text!r}: write a number of bytes with a unit, e.g. 5GB, 500MB, 2GiB")
+    unit = (m[2] or "B").upper()
+    power = "BKMGT".index(unit[0])
+    n = int(float(m[1]) * (1024 if "I" in unit else 1000) ** power)
+    if n < 1:
+        raise ValueError(f"shard size {text!r} must be at least 1 byte")
+    return n
+
+
+def release_tensors(
+    state: dict[str, torch.Tensor], config: K3Config, prefix: str = "model", quantize: str | None = None
+) -> dict[str, torch.Tensor]:
+    """A K3Model state_dict under the release's names and forms: prefix, padded A_log, and with
+    quantize='mxfp4' the routed experts packed."""
+    from k3.quant.mx import BLOCK_SIZE, pack_mxfp4
+
+    if quantize not in (None, "mxfp4"):
+        raise ModelFolderError(f"quantize={quantize!r}: k3 writes only mxfp4 (or nothing)")
+    out = {}
+    for name, t in state.items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        t = t.detach().cpu().contiguous()
+        key = release_name(name, prefix)
+        if name.endswith(".A_log") and t.shape[0] < RELEASED_A_LOG_SIZE:
+            t = torch.cat([t, t.new_zeros(RELEASED_A_LOG_SIZE - t.shape[0])])
+        if quantize == "mxfp4" and EXPERT_WEIGHT.search(name):
+            if t.shape[1] % BLOCK_SIZE:
+                raise ModelFolderError(f"{name} has {t.shape[1]} in-features; MXFP4 packs blocks of {BLOCK_SIZE}")
+            base = key[: -len(".weight")]
+            out[base + ".weight_packed"], out[base + ".weight_scale"] = pack_mxfp4(t)
+            continue
+        out[key] = t
+    return out
+
+
+def shard(tensors: dict[str, torch.Tensor], shard_size: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of at most shard_size bytes (a larger tensor gets a shard of its own)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    used = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and used + n > shard_size:
+            shards.append({})
+            used = 0
+        shards[-1][name] = t
+        used += n
+    return shards
+
+
+def release_config(config: K3Config, prefix: str, quantize: str | None, eos_id: int | None) -> dict[str, Any]:
+    """config.json: the official nesting, the top-level architecture of the chosen layout, and the
+    quantization_config that matches the tensors written (none for dense experts)."""
+    config = replace(config, quantization_config=None)
+    if config.eos_token_id is None and eos_id is not None:
+        config = replace(config, eos_token_id=eos_id)
+    top = config.to_hf()
+    top.pop("quantization_config", None)
+    text = top.get("text_config", top)
+    text.pop("quantization_config", None)
+    top["architectures"] = [ARCHITECTURES[prefix]]
+    top.setdefault("model_type", MODEL_TYPE)
+    # Fields public converters read that k3 derives: MLA has as many KV heads as query heads, and the
+    # router is a sigmoid (the only kind k3 builds).
+    text.setdefault("num_key_value_heads", config.num_attention_heads)
+    text.setdefault("moe_router_activation_func", "sigmoid")
+    if quantize == "mxfp4":
+        text["quantization_config"] = mxfp4_quantization_config()  # where the release keeps it
+    return top
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_model_folder(
+    tensors: dict[str, torch.Tensor],
+    config_json: dict[str, Any],
+    out: str | Path,
+    tokenizer_path: Path | None = None,
+    shard_size: int = 5 * 10**9,
+    force: bool = False,
+) -> Path:
+    """Write release-named `tensors`, config.json and the tokenizer files to the folder `out`, atomically."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ModelFolderError(f"{out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ModelFolderError(f"{out} exists and is not empty; choose a new --out or pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        groups = shard(tensors, shard_size)
+        if len(groups) == 1:
+            save_file(groups[0], tmp / SINGLE, metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, group in enumerate(groups, 1):
+                file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+                save_file(group, tmp / file, metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(group, file))
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+        text = config_json.get("text_config", config_json)
+        generation = {k: text.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if tokenizer_path is not None:
+            _write_tokenizer(tokenizer_path, tmp, text.get("max_position_embeddings"))
+        for f in tmp.iterdir():
+            _fsync(f)
+        _fsync(tmp)
+        if out.is_dir():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)  # only now, with the new folder complete, does the old one go
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+        _fsync(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_tokenizer(path: Path, folder: Path, max_length: int | None) -> None:
+    from k3.train.tokenizer import EOS, K3Tokenizer
+
+    tokenizer = K3Tokenizer.load(path)
+    shutil.copyfile(path, folder / "tokenizer.json")
+    pad = "<|pad|>"
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS,
+        "pad_token": pad if tokenizer.tok.token_to_id(pad) is not None else None,
+        "bos_token": None,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def export_model(
+    source: str | Path,
+    out: str | Path,
+    shard_size: int = 5 * 10**9,
+    quantize: str | None = None,
+    prefix: str = "model",
+    force: bool = False,
+) -> Path:
+    """A run, step or model folder -> a model folder in the release layout at `out`."""
+    from k3.hub.load import load_pretrained
+    from k3.train.tokenizer import K3Tokenizer
+
+    if prefix not in ARCHITECTURES:
+        raise ModelFolderError(f"prefix {prefix!r}: choose 'model' (text-only) or 'language_model' (the release's)")
+    source, out = Path(source), Path(out)
+    if out.resolve() == source.resolve() or out.resolve() in source.resolve().parents:
+        raise ModelFolderError(f"--out {out} holds the source {source}; write the export elsewhere")
+    if out.is_dir() and any(out.iterdir()) and not force:  # before the (possibly long) load
+        raise ModelFolderError(f"{out} exists and is not empty; choose a new --out or pass --force to replace it")
+    pretrained = load_pretrained(source)
+    eos = K3Tokenizer.load(pretrained.tokenizer_path).eos_id if pretrained.tokenizer_path else None
+    tensors = release_tensors(pretrained.model.state_dict(), pretrained.config, prefix, quantize)
+    config_json = release_config(pretrained.config, prefix, quantize, eos)
+    return write_model_folder(tensors, config_json, out, pretrained.tokenizer_path, shard_size, force)
