@@ -1,5 +1,7 @@
 """K3Config: presets, the derived layer pattern, the official config.json layout, validation."""
 
+import copy
+import dataclasses
 import json
 
 import pytest
@@ -25,35 +27,177 @@ def test_small_presets_keep_the_structure(name):
     assert len(c.attn_res_blocks) >= 2
 
 
-def official_layout() -> dict:
-    """A config.json in the released nesting, with keys k3 does not interpret."""
-    text = K3Config.from_preset("k3").to_hf()
-    text.pop("k3")
-    inner = text.pop("text_config")
-    inner["model_type"] = "kimi_k3_text"
-    inner["linear_attn_config"]["some_future_flag"] = True
-    return {
-        "architectures": ["KimiK3ForConditionalGeneration"],
-        "model_type": "kimi_k3",
-        "torch_dtype": "bfloat16",
-        "text_config": inner,
-        "vision_config": {"hidden_size": 1152, "num_hidden_layers": 27},
-        "quantization_config": {"format": "mxfp4-pack-quantized", "config_groups": {"group_0": {"weights": {
-            "num_bits": 4, "group_size": 32}}}},
-    }  # fmt: skip
+# The released config.json, written from SPEC §1 (and compressed-tensors' serialisation of its weight-only
+# MXFP4 scheme), independently of k3.config: the text part k3 builds, and the vision part it carries.
+MLA_LAYERS = [*range(4, 93, 4), 93]
+RELEASED_QUANTIZATION = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "symmetric": True,
+                "group_size": 32,
+                "strategy": "group",
+                "block_structure": None,
+                "dynamic": False,
+                "actorder": None,
+                "scale_dtype": "torch.uint8",
+                "zp_dtype": "torch.uint8",
+                "observer": "minmax",
+                "observer_kwargs": {},
+            },
+            "input_activations": None,
+            "output_activations": None,
+            "format": "mxfp4-pack-quantized",
+        }
+    },
+    "ignore": [
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        r"re:.*\.mlp\.(gate|up|down)_proj$",
+        "re:.*lm_head$",
+        "re:vision_tower.*",
+        "re:mm_projector.*",
+    ],
+    "kv_cache_scheme": None,
+}
+RELEASED_TEXT_CONFIG = {
+    "architectures": ["KimiLinearForCausalLM"],
+    "model_type": "kimi_linear",
+    "dtype": "bfloat16",
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "num_hidden_layers": 93,
+    "num_attention_heads": 96,
+    "num_key_value_heads": 96,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+    "linear_attn_config": {
+        "kda_layers": [i for i in range(1, 94) if i not in MLA_LAYERS],
+        "full_attn_layers": MLA_LAYERS,
+        "num_heads": 96,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "use_full_rank_gate": True,
+    },
+    "hidden_act": "situ",
+    "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0,
+    "intermediate_size": 33792,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "num_experts": 896,
+    "num_experts_per_token": 16,
+    "num_shared_experts": 2,
+    "routed_expert_hidden_size": 3584,
+    "moe_intermediate_size": 3072,
+    "latent_moe_use_norm": True,
+    "moe_router_activation_func": "sigmoid",
+    "moe_renormalize": True,
+    "routed_scaling_factor": 1.0,
+    "topk_method": "noaux_tc",
+    "use_grouped_topk": True,
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "num_nextn_predict_layers": 0,
+    "attn_res_block_size": 12,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 1048576,
+    "tie_word_embeddings": False,
+    # SPEC §1 does not give the tokenizer's special ids; the k3 preset leaves them unset
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+    "quantization_config": RELEASED_QUANTIZATION,
+}
+RELEASED_TEXT_PART = {
+    "architectures": ["KimiK3ForConditionalGeneration"],
+    "model_type": "kimi_k3",
+    "text_config": RELEASED_TEXT_CONFIG,
+}
+# Stand-ins for the vision part: k3 carries these through without reading them.
+RELEASED_VISION_PART = {
+    "vision_config": {"model_type": "moonvit", "hidden_size": 1152, "num_hidden_layers": 27},
+    "media_placeholder_token_id": 163605,
+}
 
 
-def test_official_layout_round_trip(tmp_path):
-    layout = official_layout()
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(layout))
+def released(quantization_at: str = "text_config") -> dict:
+    """The released config.json (a fresh copy), with quantization_config where it is asked to be."""
+    doc = copy.deepcopy({**RELEASED_TEXT_PART, **RELEASED_VISION_PART})
+    if quantization_at == "top":
+        doc["quantization_config"] = doc["text_config"].pop("quantization_config")
+    return doc
+
+
+def test_k3_preset_is_the_released_config():
+    c = K3Config.from_preset("k3")
+    assert c.rms_norm_eps == 1e-5
+    assert c.to_hf() == RELEASED_TEXT_PART  # every field, nested dicts included
+    assert K3Config.from_hf(released()) == c
+
+
+@pytest.mark.parametrize("quantization_at", ["text_config", "top"])
+def test_released_config_round_trips_byte_for_byte(tmp_path, quantization_at):
+    doc = released(quantization_at)
+    (tmp_path / "config.json").write_text(json.dumps(doc, indent=2))
     c = K3Config.from_hf(tmp_path)  # a folder holding config.json
-    assert c.layer_types.count("kda") == 69 and [i + 1 for i in c.mla_layers][-2:] == [92, 93]
-    assert c.quantization_config["format"] == "mxfp4-pack-quantized"
-    back = c.to_hf()
-    assert back.pop("k3") == {"residual": "attnres", "mla_impl": "auto"}
-    assert back == layout  # nothing lost, unknown keys included
-    assert K3Config.from_hf(c.to_hf()) == c
+    assert c.quantization_config == RELEASED_QUANTIZATION and c.layer_types.count("kda") == 69
+    assert c.to_hf() == doc
+    assert json.dumps(c.to_hf(), indent=2) == json.dumps(doc, indent=2)  # same key order too
+    c.save(tmp_path / "again.json")
+    assert json.loads((tmp_path / "again.json").read_text()) == doc
+
+
+def test_quantization_config_cannot_be_in_both_places():
+    doc = released()
+    doc["quantization_config"] = RELEASED_QUANTIZATION
+    with pytest.raises(ConfigError, match="both at the top level and in text_config"):
+        K3Config.from_hf(doc)
+
+
+def test_unknown_keys_and_k3_switches_survive():
+    doc = released()
+    doc["text_config"]["linear_attn_config"]["some_future_flag"] = True
+    doc["text_config"]["rope_theta"] = 50000.0  # NoPE: inert (module docstring of k3.config)
+    doc["text_config"]["rope_scaling"] = {"type": "yarn", "factor": 32.0}
+    c = K3Config.from_hf(doc)
+    assert c.to_hf() == doc
+    changed = dataclasses.replace(c, residual="standard", rms_norm_eps=1e-6)
+    back = changed.to_hf()
+    assert back.pop("k3") == {"residual": "standard", "mla_impl": "auto"}
+    assert back["text_config"]["rms_norm_eps"] == 1e-6 and back["text_config"]["rope_theta"] == 50000.0
+    assert K3Config.from_hf(changed.to_hf()) == changed
+
+
+def test_a_field_the_file_lacks_is_written_only_once_changed():
+    flat = copy.deepcopy(RELEASED_TEXT_CONFIG)
+    del flat["max_position_embeddings"], flat["num_key_value_heads"], flat["quantization_config"]
+    c = K3Config.from_hf(flat)
+    assert c.max_position_embeddings == 1048576 and c.to_hf() == flat
+    assert dataclasses.replace(c, max_position_embeddings=4096).to_hf()["max_position_embeddings"] == 4096
+
+
+def test_checkpoints_from_before_the_released_defaults_keep_their_eps():
+    """A run folder's meta.json written before: rms_norm_eps 1e-6 explicit, no wrapper keys, "k3" on top."""
+    old_text = {k: v for k, v in K3Config.from_preset("tiny").to_hf()["text_config"].items()
+                if k not in ("architectures", "model_type", "dtype", "num_key_value_heads")}  # fmt: skip
+    old = {"text_config": {**old_text, "rms_norm_eps": 1e-6}, "k3": {"residual": "attnres", "mla_impl": "auto"}}
+    c = K3Config.from_hf(old)
+    assert c.rms_norm_eps == 1e-6 and c == K3Config.from_preset("tiny", rms_norm_eps=1e-6)
+    assert c.to_hf() == old
 
 
 @pytest.mark.parametrize("name", ["k3", "small", "tiny"])
@@ -84,6 +228,47 @@ BAD = [
     (dict(mla_use_nope=False), r"mla_use_nope = False"),
     (dict(num_hidden_layers=2.5), r"num_hidden_layers = 2.5: must be a positive integer"),
 ]
+
+
+# Released keys with a value k3 would compute differently: each refused, naming the key and what k3 supports.
+ONE_WAY = [
+    (dict(moe_router_activation_func="softmax"), r"moe_router_activation_func = 'softmax'.*supported: 'sigmoid'"),
+    (dict(scoring_func="softmax"), r"scoring_func = 'softmax'.*supported: 'sigmoid'"),
+    (dict(topk_method="greedy"), r"topk_method = 'greedy'.*supported: 'noaux_tc'"),
+    (dict(num_nextn_predict_layers=1), r"num_nextn_predict_layers = 1: k3 builds no multi-token.*supported: 0"),
+    (dict(moe_layer_freq=2), r"moe_layer_freq = 2.*supported: 1"),
+    (dict(num_expert_group=8, topk_group=4), r"num_expert_group = 8: grouped top-k keeping topk_group = 4 of 8"),
+    (dict(n_group=8, topk_group=2), r"n_group = 8: grouped top-k .*supported: topk_group = num_expert_group"),
+    (dict(num_expert_group=4), r"num_expert_group = 4: grouped top-k keeping topk_group = 1 of 4"),
+    (dict(num_key_value_heads=1), r"num_key_value_heads = 1: .*supported: num_attention_heads = 96"),
+    (dict(num_experts_per_tok=8), r"num_experts_per_tok = 8: k3 reads num_experts_per_token \(= 16\)"),
+    (dict(norm_topk_prob=False), r"norm_topk_prob = False: k3 reads moe_renormalize"),
+    (dict(mla_use_nope=False), r"mla_use_nope = False: must be True"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), ONE_WAY)
+def test_released_keys_k3_computes_one_way_are_checked(change, message):
+    doc = released()
+    doc["text_config"].update(change)
+    with pytest.raises(ConfigError, match=message):
+        K3Config.from_hf(doc)
+
+
+# Values of the same keys that change nothing k3 computes: accepted and written back unchanged.
+INERT = [
+    dict(use_grouped_topk=False, num_expert_group=8, topk_group=2),  # grouping switched off
+    dict(num_expert_group=8, topk_group=8),  # every group kept: plain top-k
+    dict(scoring_func="sigmoid", norm_topk_prob=True, n_routed_experts=896, num_experts_per_tok=16),
+    dict(rope_theta=10000.0, rope_scaling=None),  # NoPE
+]
+
+
+@pytest.mark.parametrize("change", INERT)
+def test_released_keys_that_change_nothing_are_kept(change):
+    doc = released()
+    doc["text_config"].update(change)
+    assert K3Config.from_hf(doc).to_hf() == doc
 
 
 @pytest.mark.parametrize(("change", "message"), BAD)

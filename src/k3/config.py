@@ -2,11 +2,28 @@
 
 Field names follow the released HF config where one exists (SPEC §1). The layer pattern — which
 layers are KDA or MLA, which FFNs are dense, where AttnRes blocks end — is derived here and only here.
+
+The config.json layout. `to_hf()` writes the released nesting: the multimodal wrapper's keys at the top
+(`architectures: ["KimiK3ForConditionalGeneration"]`, `model_type: "kimi_k3"`) and the text model under
+`text_config` (`KimiLinearForCausalLM`, with `linear_attn_config` and `quantization_config` inside it).
+k3 builds only the text model, so a config made in k3 has no `vision_config`: `from_preset("k3").to_hf()`
+is the released config.json less its vision part. A config read by `from_hf` writes back the file it
+came from: the same nesting (or the flat text-only layout), `quantization_config` where it was found,
+every key k3 does not interpret, and the same key order, so `to_hf(from_hf(x)) == x`; a field the file
+did not have is written only once its value differs from the default. k3's own switches (`residual`,
+`mla_impl`) go under a top-level `"k3"` key, only when they are not the defaults.
+
+Released keys that select a computation k3 implements one way only (the router's activation, grouped
+top-k, the top-k method, multi-token-prediction layers, dense layers between MoE layers, separate KV
+heads) are checked: another value is a ConfigError naming the key and the values k3 supports, never a
+silent difference. Keys that change nothing k3 computes are kept as they are. That includes
+`rope_theta` / `rope_scaling`: K3 is NoPE (`mla_use_nope` must be true), so under the released semantics
+no rotary embedding is built whatever they say; KDA has no positions either.
 """
 
 import copy
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +43,76 @@ _LINEAR_ATTN_KEYS = {
 # k3's own switches; not part of the released format, written under "k3" so a round trip keeps them.
 _K3_ONLY = ("residual", "mla_impl")
 
+# The released config.json around what K3Config interprets: the wrapper's keys, and text_config keys that
+# K3Config has no field for, with their released values. A config made in k3 writes these.
+RELEASED_TOP: dict[str, Any] = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3"}
+RELEASED_TEXT: dict[str, Any] = {
+    "architectures": ["KimiLinearForCausalLM"],
+    "model_type": "kimi_linear",
+    "dtype": "bfloat16",
+    "moe_router_activation_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "use_grouped_topk": True,
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "moe_layer_freq": 1,
+    "num_nextn_predict_layers": 0,
+}
+# The released weights' storage (SPEC §1): routed experts MXFP4-packed by compressed-tensors (E2M1 codes,
+# one E8M0 uint8 scale per 32 inputs), activations unquantised; the ignore list keeps attention, shared
+# experts, the dense MLP, lm_head, the vision tower and the projector in bf16. The weights entry is
+# compressed-tensors' own serialisation of its weight-only MXFP4 scheme.
+RELEASED_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+                "block_structure": None, "dynamic": False, "actorder": None, "scale_dtype": "torch.uint8",
+                "zp_dtype": "torch.uint8", "observer": "minmax", "observer_kwargs": {},
+            },
+            "input_activations": None,
+            "output_activations": None,
+            "format": "mxfp4-pack-quantized",
+        }
+    },
+    "ignore": [
+        "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*\.mlp\.(gate|up|down)_proj$", "re:.*lm_head$",
+        "re:vision_tower.*", "re:mm_projector.*",
+    ],
+    "kv_cache_scheme": None,
+}  # fmt: skip
+
+# text_config keys whose value selects a computation k3 implements one way only: the values k3 computes
+# the same as, and what k3 does. DeepSeek's spelling of a key is checked like the key.
+_ONE_WAY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "moe_router_activation_func": (("sigmoid",), "k3's router scores experts with a sigmoid"),
+    "topk_method": (("noaux_tc",), "k3 picks experts by score + e_score_correction_bias and weights them by "
+                    "the unbiased score"),
+    "num_nextn_predict_layers": ((0,), "k3 builds no multi-token-prediction layers"),
+    "moe_layer_freq": ((1,), "every layer from first_k_dense_replace on is a MoE layer in k3"),
+}  # fmt: skip
+_ALIASES = {"scoring_func": "moe_router_activation_func", "n_group": "num_expert_group"}
+# DeepSeek's spellings of K3Config fields: accepted when they agree with the field k3 reads.
+_FIELD_ALIASES = {
+    "n_routed_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
+    "n_shared_experts": "num_shared_experts", "norm_topk_prob": "moe_renormalize",
+}  # fmt: skip
+
+
+def _released_extras() -> dict[str, Any]:
+    """extra_hf of a config made in k3: the released layout around the fields."""
+    return {"nested": True, "top": copy.deepcopy(RELEASED_TOP), "text": copy.deepcopy(RELEASED_TEXT),
+            "linear_attn": {}, "quantization_in": "text"}  # fmt: skip
+
+
+def _ordered(d: dict[str, Any], order: list[str]) -> dict[str, Any]:
+    """d with the keys named in `order` first, in that order, then the others as they are."""
+    return {**{k: d[k] for k in order if k in d}, **{k: v for k, v in d.items() if k not in order}}
+
 
 @dataclass
 class K3Config:
@@ -35,7 +122,7 @@ class K3Config:
     num_hidden_layers: int = 93
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 1048576
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-5
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -77,9 +164,10 @@ class K3Config:
     # "auto" (per call, the one with fewer FLOPs: absorbed when decoding)
     residual: str = "attnres"
     mla_impl: str = "auto"
-    # carried through unchanged: quantisation and keys of the official file k3 does not interpret
+    # carried through unchanged: how the weights are stored (compressed-tensors; None: unquantised), and
+    # the official file's layout and the keys k3 does not interpret (see to_hf)
     quantization_config: dict[str, Any] | None = None
-    extra_hf: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    extra_hf: dict[str, Any] = field(default_factory=_released_extras, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -132,6 +220,34 @@ class K3Config:
             layers = self.full_attn_layers
             if sorted(set(layers)) != list(layers) or not all(1 <= i <= L for i in layers):
                 self._fail("full_attn_layers", f"must be strictly increasing 1-based layer numbers in [1, {L}]")
+        self._validate_released_keys((self.extra_hf or {}).get("text", {}))
+
+    def _validate_released_keys(self, text: dict[str, Any]) -> None:
+        """text_config keys K3Config has no field for, whose value would make the released model compute
+        something k3 does not (module docstring)."""
+
+        def fail(key: str, why: str) -> None:
+            raise ConfigError(f"config.json text_config.{key} = {text[key]!r}: {why}")
+
+        for key, value in text.items():
+            name = _ALIASES.get(key, key)
+            if name in _ONE_WAY and value not in _ONE_WAY[name][0]:
+                supported, what = _ONE_WAY[name]
+                fail(key, f"{what}; supported: {' or '.join(map(repr, supported))}")
+            if key in _FIELD_ALIASES and value != getattr(self, _FIELD_ALIASES[key]):
+                fail(key, f"k3 reads {_FIELD_ALIASES[key]} (= {getattr(self, _FIELD_ALIASES[key])!r}); "
+                          "set that key instead, or the two to the same value")  # fmt: skip
+        group_key = "n_group" if "n_group" in text else "num_expert_group"
+        groups, chosen = text.get(group_key, 1), text.get("topk_group", 1)
+        if text.get("use_grouped_topk", True) is not False and chosen < groups:
+            # experts chosen only within the best topk_group of the groups; when every group is kept it is
+            # plain top-k, which is what k3 computes
+            fail(group_key, f"grouped top-k keeping topk_group = {chosen} of {groups} expert groups is not "
+                            "implemented in k3; supported: topk_group = num_expert_group (1 in the release: plain "
+                            "top-k), or use_grouped_topk = false")  # fmt: skip
+        if "num_key_value_heads" in text and text["num_key_value_heads"] != self.num_attention_heads:
+            fail("num_key_value_heads", f"K3's MLA has one key and value per query head; supported: "
+                                        f"num_attention_heads = {self.num_attention_heads}")  # fmt: skip
 
     # ---- the layer pattern, derived in one place -------------------------------------------
     @property
@@ -173,7 +289,7 @@ class K3Config:
     def from_preset(cls, name: str, **overrides: Any) -> "K3Config":
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{**copy.deepcopy(PRESETS[name]), **overrides})
 
     # ---- the official config.json ----------------------------------------------------------
     @classmethod
@@ -200,12 +316,16 @@ class K3Config:
                 raise ConfigError(f"cannot read a config from {path}: {e}") from e
         if not isinstance(top, dict):
             raise ConfigError(f"a config.json holds a JSON object, got {type(top).__name__}")
-        text = top.pop("text_config", None)
-        nested = text is not None
-        text = copy.deepcopy(text) if nested else top
-        kwargs: dict[str, Any] = {}
-        names = {f.name for f in fields(cls)} - {"extra_hf", "full_attn_layers", *_LINEAR_ATTN_KEYS.values()}
+        nested = "text_config" in top
+        text = top["text_config"] if nested else top
+        if not isinstance(text, dict) or not isinstance(text.get("linear_attn_config") or {}, dict):
+            raise ConfigError("text_config and its linear_attn_config must be JSON objects")
+        order = {"top": list(top) if nested else [], "text": list(text),
+                 "linear_attn": list(text.get("linear_attn_config") or {})}  # fmt: skip
+        if nested:
+            del top["text_config"]
         lin = text.pop("linear_attn_config", None) or {}
+        kwargs: dict[str, Any] = {}
         for key, name in _LINEAR_ATTN_KEYS.items():
             if key in lin:
                 kwargs[name] = lin.pop(key)
@@ -213,13 +333,18 @@ class K3Config:
             kwargs["full_attn_layers"] = tuple(lin.pop("full_attn_layers"))
         kda_layers = lin.pop("kda_layers", None)
         for key in list(text):
-            if key in names:
+            if key in _TEXT_FIELDS:
                 kwargs[key] = text.pop(key)
         k3_own = (top if nested else text).pop("k3", {})
         kwargs.update({k: v for k, v in k3_own.items() if k in _K3_ONLY})
+        quantization_in = "text"
         if nested and "quantization_config" in top:
+            if "quantization_config" in kwargs:
+                raise ConfigError("quantization_config is both at the top level and in text_config: keep one")
             kwargs["quantization_config"] = top.pop("quantization_config")
-        kwargs["extra_hf"] = {"nested": nested, "top": top if nested else {}, "text": text, "linear_attn": lin}
+            quantization_in = "top"
+        kwargs["extra_hf"] = {"nested": nested, "top": top if nested else {}, "text": text, "linear_attn": lin,
+                              "quantization_in": quantization_in, "order": order}  # fmt: skip
         config = cls(**kwargs)
         if kda_layers is not None:
             expected = [i + 1 for i, t in enumerate(config.layer_types) if t == "kda"]
@@ -231,26 +356,48 @@ class K3Config:
         return config
 
     def to_hf(self) -> dict[str, Any]:
-        """The official layout: text_config with linear_attn_config, quantization_config at the top."""
+        """The official config.json as a dict: the released nesting for a config made in k3, the layout it
+        was read from otherwise (module docstring)."""
         extra = self.extra_hf or {}
-        own = {f.name: getattr(self, f.name) for f in fields(self)}
-        lin = dict(extra.get("linear_attn", {}))
-        lin.update({key: own.pop(name) for key, name in _LINEAR_ATTN_KEYS.items()})
-        lin["kda_layers"] = [i + 1 for i, t in enumerate(self.layer_types) if t == "kda"]
-        lin["full_attn_layers"] = [i + 1 for i in self.mla_layers]
-        own.pop("full_attn_layers")
-        own.pop("extra_hf")
-        quant = own.pop("quantization_config")
-        k3_own = {name: own.pop(name) for name in _K3_ONLY}
-        text = {**extra.get("text", {}), **own, "linear_attn_config": lin}
+        order = extra.get("order")  # the file's keys, in its order; None for a config made in k3
         nested = extra.get("nested", True)
+        home = "top" if nested else "text"  # where the wrapper-level keys ("k3") live
+
+        def had(section: str, key: str) -> bool:
+            return order is not None and key in order[section]
+
+        def keep(section: str, key: str, value: Any, default: Any) -> bool:
+            """A field is written always for a config made in k3; else if the file had it or it changed."""
+            return order is None or had(section, key) or value != default
+
+        lin = dict(extra.get("linear_attn", {}))
+        for key, name in _LINEAR_ATTN_KEYS.items():
+            if keep("linear_attn", key, getattr(self, name), _DEFAULTS[name]):
+                lin[key] = getattr(self, name)
+        if order is None or had("linear_attn", "kda_layers"):
+            lin["kda_layers"] = [i + 1 for i, t in enumerate(self.layer_types) if t == "kda"]
+        if order is None or had("linear_attn", "full_attn_layers"):
+            lin["full_attn_layers"] = [i + 1 for i in self.mla_layers]
+        text = dict(extra.get("text", {}))
+        for name in sorted(_TEXT_FIELDS - {"quantization_config"}, key=_FIELD_ORDER.index):
+            if keep("text", name, getattr(self, name), _DEFAULTS[name]):
+                text[name] = getattr(self, name)
+        if order is None or had("text", "num_key_value_heads"):
+            text["num_key_value_heads"] = self.num_attention_heads  # MLA: a key and a value per query head
+        if order is None or had("text", "linear_attn_config") or lin:
+            text["linear_attn_config"] = _ordered(lin, order["linear_attn"] if order else [])
         top = dict(extra.get("top", {})) if nested else text
-        if nested:
-            top["text_config"] = text
-        if quant is not None:
-            top["quantization_config"] = quant
-        top["k3"] = k3_own
-        return top
+        quant_section = "top" if nested and extra.get("quantization_in") == "top" else "text"
+        if self.quantization_config is not None or had(quant_section, "quantization_config"):
+            (top if quant_section == "top" else text)["quantization_config"] = self.quantization_config
+        k3_own = {name: getattr(self, name) for name in _K3_ONLY}
+        if any(k3_own[name] != _DEFAULTS[name] for name in _K3_ONLY) or had(home, "k3"):
+            top["k3"] = k3_own
+        text = _ordered(text, order["text"] if order else [])
+        if not nested:
+            return copy.deepcopy(text)
+        top["text_config"] = text
+        return copy.deepcopy(_ordered(top, order["top"] if order else []))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_hf(), indent=2) + "\n")
@@ -259,9 +406,17 @@ class K3Config:
         return asdict(self)
 
 
+# Fields read from and written to text_config; the linear_attn_config ones, the derived layer lists and
+# k3's own switches have their own places.
+_TEXT_FIELDS = {f.name for f in fields(K3Config)} - {"extra_hf", "full_attn_layers", *_LINEAR_ATTN_KEYS.values(),
+                                                      *_K3_ONLY}  # fmt: skip
+_DEFAULTS = {f.name: f.default for f in fields(K3Config) if f.default is not MISSING}
+_FIELD_ORDER = [f.name for f in fields(K3Config)]
+
 PRESETS: dict[str, dict[str, Any]] = {
-    # The released 2.8T configuration (SPEC §1): the dataclass defaults.
-    "k3": {},
+    # The released 2.8T configuration (SPEC §1): the dataclass defaults, and the released weights' storage
+    # format (the smaller presets describe unquantised weights, as k3 trains them).
+    "k3": {"quantization_config": RELEASED_QUANTIZATION_CONFIG},
     # Tens of millions of parameters with K3's structure, for training on a laptop CPU.
     "small": dict(
         vocab_size=8192, hidden_size=256, num_hidden_layers=9, num_attention_heads=4, q_lora_rank=128,
