@@ -1,0 +1,41 @@
+"""Quantisation: OCP microscaling (MX) codecs and the MXFP4-packed routed experts of the release."""
+
+from k3.quant.mx import (
+    BLOCK_SIZE,
+    FP4_E2M1,
+    FP8_E4M3,
+    FP8_E5M2,
+    ElementFormat,
+    check_packed_mxfp4,
+    dequantize_mx,
+    fake_quantize_mx,
+    pack_mxfp4,
+    quantize_mx,
+    unpack_mxfp4,
+)
+from k3.quant.packed_experts import (
+    MXFP4Linear,
+    PackedExpertTrainingError,
+    pack_experts,
+    routed_expert_bytes,
+    unpack_experts,
+)
+
+__all__ = [
+    "BLOCK_SIZE",
+    "FP4_E2M1",
+    "FP8_E4M3",
+    "FP8_E5M2",
+    "ElementFormat",
+    "MXFP4Linear",
+    "PackedExpertTrainingError",
+    "check_packed_mxfp4",
+    "dequantize_mx",
+    "fake_quantize_mx",
+    "pack_experts",
+    "pack_mxfp4",
+    "quantize_mx",
+    "routed_expert_bytes",
+    "unpack_experts",
+    "unpack_mxfp4",
+]
