@@ -1,12 +1,17 @@
 """Checkpoints: exact round trip, atomic writes, pruning, and readable errors for bad files."""
 
+import hashlib
 import json
+import warnings
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from k3 import K3Config, K3Model
+from k3.model.names import is_legacy_key, legacy_key
 from k3.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, step_dirs
+from k3.train.optim import build_optimizer
 
 CONFIG = K3Config.from_preset("tiny")
 
@@ -84,3 +89,93 @@ def test_bad_meta_and_mismatched_model(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no checkpoint here"):
         load_checkpoint(tmp_path / "empty")
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("model.layers.0.attention_res_proj.weight", "model.layers.0.self_attention_res_proj.weight"),
+        ("model.layers.12.attention_res_norm.weight", "model.layers.12.self_attention_res_norm.weight"),
+        ("model.layers.3.ffn_res_proj.weight", "model.layers.3.mlp_res_proj.weight"),
+        ("language_model.model.layers.92.ffn_res_norm.weight", "language_model.model.layers.92.mlp_res_norm.weight"),
+        ("model.layers.2.ffn_res_proj.weight::exp_avg", "model.layers.2.mlp_res_proj.weight::exp_avg"),
+        # already released names, and look-alikes that are not the per-layer AttnRes modules: unchanged
+        ("model.layers.0.self_attention_res_proj.weight", "model.layers.0.self_attention_res_proj.weight"),
+        ("model.layers.0.mlp_res_norm.weight", "model.layers.0.mlp_res_norm.weight"),
+        ("model.output_attn_res_proj.weight", "model.output_attn_res_proj.weight"),
+        ("model.layers.1.self_attn.o_proj.weight", "model.layers.1.self_attn.o_proj.weight"),
+    ],
+)
+def test_legacy_key(old, new):
+    assert legacy_key(old) == new
+    assert is_legacy_key(old) == (old != new)
+
+
+def as_pre_release(path):
+    """Rewrite a checkpoint in place as k3 wrote it before the rename: old AttnRes names in the model and
+    optimiser files and in meta.json's groups and scalars, checksums updated to match."""
+    old = {"self_attention_res": "attention_res", "mlp_res": "ffn_res"}
+
+    def back(key: str) -> str:
+        for new, was in old.items():
+            key = key.replace(f".{new}_", f".{was}_")
+        return key
+
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        tensors = load_file(path / name)
+        save_file({back(k): v for k, v in tensors.items()}, path / name, metadata={"format": "pt"})
+    meta = json.loads((path / "meta.json").read_text())
+    opt = meta["optimizer"]
+    opt["groups"] = [{**g, "params": [back(n) for n in g["params"]]} for g in opt["groups"]]
+    opt["scalars"] = {back(k): v for k, v in opt["scalars"].items()}
+    meta["sha256"] = {f: hashlib.sha256((path / f).read_bytes()).hexdigest() for f in meta["sha256"]}
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert any(is_legacy_key(k) for k in load_file(path / "model.safetensors"))
+
+
+def test_checkpoints_with_pre_release_names_load_and_resume(tmp_path):
+    torch.manual_seed(0)
+    model = K3Model(CONFIG).double()
+    opt = build_optimizer(model, lr=1e-2)
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 16))
+    for _ in range(2):  # two steps: the AttnRes queries leave zero, the optimiser has moments and a step count
+        opt.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+    path = save_checkpoint(tmp_path, 2, model, opt, CONFIG, {"position": 0})
+    as_pre_release(path)
+
+    ckpt = load_checkpoint(tmp_path)
+    model2 = K3Model(CONFIG).double()
+    opt2 = build_optimizer(model2, lr=1e-2)
+    with pytest.warns(FutureWarning, match="pre-release AttnRes names") as warned:
+        ckpt.load_model(model2)
+        ckpt.load_optimizer(opt2, model2)
+    assert len(warned) == 1  # one note per checkpoint, not one per file
+    assert any(model2.state_dict()[k].abs().sum() > 0 for k in model2.state_dict() if "_res_proj" in k)
+    with torch.no_grad():
+        assert torch.equal(model2(ids).logits, model(ids).logits)
+    for m, o in ((model, opt), (model2, opt2)):  # resume: one more step from each
+        o.zero_grad()
+        m(ids, labels=ids).loss.backward()
+        o.step()
+    for (n, a), b in zip(model.state_dict().items(), model2.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+
+
+def test_current_names_load_without_a_warning(tmp_path):
+    model, opt = trained_pair()
+    save_checkpoint(tmp_path, 1, model, opt, CONFIG, {"position": 0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_checkpoint(tmp_path).load_model(K3Model(CONFIG))
+
+
+def test_old_and_new_name_of_one_tensor_is_an_error(tmp_path):
+    model, opt = trained_pair()
+    path = save_checkpoint(tmp_path, 1, model, opt, CONFIG, {"position": 0})
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.ffn_res_norm.weight"] = tensors["model.layers.0.mlp_res_norm.weight"].clone()
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="both the old and the released name"):
+        load_checkpoint(path, verify=False).load_model(K3Model(CONFIG))

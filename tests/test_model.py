@@ -74,7 +74,7 @@ def test_every_parameter_gets_a_gradient():
             layer, expert = int(name.split(".")[2]), int(name.split(".experts.")[1].split(".")[0])
             if (layer, expert) not in used:
                 continue  # an expert no token was routed to gets no gradient, correctly
-        if name.startswith("model.layers.0.attention_res_"):
+        if name.startswith("model.layers.0.self_attention_res_"):
             continue  # the first sublayer mixes one source (the embedding): its query has nothing to weigh
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name

@@ -253,9 +253,9 @@ def test_every_parameter_lands_where_the_spec_says():
         f"{kda}.dt_bias": no_decay,
         f"{kda}.q_conv1d.weight": no_decay,
         f"{kda}.v_conv1d.weight": no_decay,
-        "model.layers.0.attention_res_proj.weight": no_decay,
-        "model.layers.2.ffn_res_proj.weight": no_decay,
-        "model.layers.2.ffn_res_norm.weight": no_decay,
+        "model.layers.0.self_attention_res_proj.weight": no_decay,
+        "model.layers.2.mlp_res_proj.weight": no_decay,
+        "model.layers.2.mlp_res_norm.weight": no_decay,
         "model.output_attn_res_proj.weight": no_decay,
         "model.output_attn_res_norm.weight": no_decay,
     }

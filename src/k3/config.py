@@ -319,7 +319,7 @@ class K3Config:
         nested = "text_config" in top
         text = top["text_config"] if nested else top
         if not isinstance(text, dict) or not isinstance(text.get("linear_attn_config") or {}, dict):
-            raise ConfigError("text_config and its linear_attn_config must be JSON objects")
+            raise TypeError("text_config and its linear_attn_config must be JSON objects")  # see from_hf
         order = {"top": list(top) if nested else [], "text": list(text),
                  "linear_attn": list(text.get("linear_attn_config") or {})}  # fmt: skip
         if nested:

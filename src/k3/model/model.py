@@ -43,10 +43,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
         if config.residual == "attnres":
-            self.attention_res_proj = nn.Linear(d, 1, bias=False)
-            self.attention_res_norm = RMSNorm(d, eps)
-            self.ffn_res_proj = nn.Linear(d, 1, bias=False)
-            self.ffn_res_norm = RMSNorm(d, eps)
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.self_attention_res_norm = RMSNorm(d, eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(d, eps)
 
     @property
     def ffn(self) -> nn.Module:
@@ -87,11 +87,11 @@ class K3TextModel(nn.Module):
             if i in self.block_starts and partial is not None:
                 blocks.append(partial)
                 partial = None
-            h = attn_res(blocks + ([partial] if partial is not None else []), layer.attention_res_proj,
-                         layer.attention_res_norm)  # fmt: skip
+            sources = blocks + ([partial] if partial is not None else [])
+            h = attn_res(sources, layer.self_attention_res_proj, layer.self_attention_res_norm)
             a = layer.attention(h, c)
             partial = a if partial is None else partial + a
-            f = layer.feed_forward(attn_res([*blocks, partial], layer.ffn_res_proj, layer.ffn_res_norm))
+            f = layer.feed_forward(attn_res([*blocks, partial], layer.mlp_res_proj, layer.mlp_res_norm))
             partial = partial + f
         return self.norm(attn_res([*blocks, partial], self.output_attn_res_proj, self.output_attn_res_norm))
 

@@ -57,7 +57,7 @@ _RULES = [
     ("shared_experts", re.compile(_MOE + r"shared_experts\." + _GLU)),
     ("latent_projections", re.compile(_MOE + r"routed_expert_(down_proj|up_proj|norm)\.weight")),
     ("router", re.compile(_MOE + r"gate\.weight")),
-    ("attn_res", re.compile(_LAYER + r"(attention|ffn)_res_(proj|norm)\.weight")),
+    ("attn_res", re.compile(_LAYER + r"(self_attention|mlp)_res_(proj|norm)\.weight")),
     ("attn_res", re.compile(r"model\.output_attn_res_(proj|norm)\.weight")),
     ("norms", re.compile(_LAYER + r"(input_layernorm|post_attention_layernorm)\.weight")),
     ("norms", re.compile(r"model\.norm\.weight")),

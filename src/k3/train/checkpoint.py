@@ -8,13 +8,18 @@ A checkpoint is a folder `step_XXXXXXXX/` holding
                            sha256 of each file above, so truncation or tampering is detected on load.
 It is written to a hidden temporary folder, fsynced, then renamed into place: a crash mid-write
 leaves the previous checkpoints intact and no half-written one that looks complete.
+
+Checkpoints written before k3 used the released AttnRes names (`attention_res_*`, `ffn_res_*`) load with
+their keys mapped by `k3.model.names.legacy_key`, model and optimiser alike, and one FutureWarning per
+checkpoint (a warning users see by default, unlike DeprecationWarning) saying so.
 """
 
 import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from k3.config import K3Config
+from k3.model.names import legacy_key
 
 FORMAT = "k3-checkpoint-1"
 FILES = ("model.safetensors", "optimizer.safetensors", "extra.safetensors")
@@ -118,6 +124,7 @@ def save_checkpoint(
 class Checkpoint:
     path: Path
     meta: dict[str, Any]
+    _warned_legacy: bool = field(default=False, repr=False, compare=False)
 
     @property
     def step(self) -> int:
@@ -137,9 +144,31 @@ class Checkpoint:
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{self.path / name}: cannot be read as safetensors ({e})") from e
 
+    def _released_names(self, keys: list[str], what: str) -> dict[str, str]:
+        """old key -> key under the released names, for `keys` of `what`; warns once per checkpoint if any
+        key was written under k3's pre-release names."""
+        renamed = {k: legacy_key(k) for k in keys}
+        moved = sorted(k for k, new in renamed.items() if new != k)
+        if not moved:
+            return renamed
+        clash = sorted(set(renamed[k] for k in moved) & set(keys))
+        if clash:
+            raise CheckpointError(f"{self.path}: {what} holds both the old and the released name of {clash[:3]}")
+        if not self._warned_legacy:
+            self._warned_legacy = True
+            warnings.warn(
+                f"{self.path} uses k3's pre-release AttnRes names ({moved[0]!r} and others); they were mapped to "
+                "the released names (self_attention_res_*, mlp_res_*). Save it again to write the new names.",
+                FutureWarning,
+                stacklevel=3,
+            )
+        return renamed
+
     def load_model(self, model: torch.nn.Module) -> None:
         """Load the weights strictly: a key the model cannot place, or one it lacks, is an error."""
         tensors = self.tensors("model.safetensors")
+        names = self._released_names(list(tensors), "model.safetensors")
+        tensors = {names[k]: v for k, v in tensors.items()}
         own = model.state_dict()
         unexpected = sorted(set(tensors) - set(own))
         missing = sorted(set(own) - set(tensors))
@@ -158,17 +187,15 @@ class Checkpoint:
         flat = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
         index = {n: i for i, n in enumerate(flat)}
         saved = self.meta["optimizer"]
-        saved_names = [n for g in saved["groups"] for n in g["params"]]
+        new = self._released_names([n for g in saved["groups"] for n in g["params"]], "the optimiser's groups")
+        saved_names = [new[n] for g in saved["groups"] for n in g["params"]]
         if saved_names != flat:
             raise CheckpointError(f"{self.path}: the optimiser's parameter groups differ from the checkpoint's")
         state: dict[int, dict[str, Any]] = {}
-        for key, value in self.tensors("optimizer.safetensors").items():
-            name, field = key.split("::")
-            state.setdefault(index[name], {})[field] = value
-        for key, value in saved["scalars"].items():
-            name, field = key.split("::")
-            state.setdefault(index[name], {})[field] = value
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
+        for key, value in [*self.tensors("optimizer.safetensors").items(), *saved["scalars"].items()]:
+            name, leaf = key.split("::")
+            state.setdefault(index[legacy_key(name)], {})[leaf] = value
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[new[n]] for n in g["params"]]}
                   for g in saved["groups"]]  # fmt: skip
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
