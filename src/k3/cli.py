@@ -124,7 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)  # fmt: skip
         budget = None if args.memory_budget is None else int(args.memory_budget * (1 << 20))
-        llm = LLM(args.ckpt, memory_budget=budget, num_pages=args.num_pages)
+        llm = LLM(args.ckpt, memory_budget=budget, num_pages=args.num_pages, text_only=args.text_only)
         print(llm.engine.describe(), file=sys.stderr)
         if args.stream:
             print(args.prompt, end="", flush=True)
@@ -135,6 +135,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(args.prompt + llm.generate(args.prompt, params)[0].text)
     except USER_ERRORS as e:
         return _fail("generate", e)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """A model folder in the release layout (config.json, sharded safetensors, tokenizer) from a run,
+    step or model folder, for vLLM, SGLang, llama.cpp's converter, or k3 itself."""
+    from k3.hub import export_model, parse_size
+
+    try:
+        out = export_model(args.ckpt, args.out, shard_size=parse_size(args.shard_size), quantize=args.quantize,
+                           prefix=args.prefix, force=args.force)  # fmt: skip
+    except USER_ERRORS as e:
+        return _fail("export", e)
+    files = sorted(p.name for p in out.iterdir())
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    print(f"wrote {out}/ ({len(files)} files, {size:,} bytes of weights): {', '.join(files)}")
     return 0
 
 
@@ -264,7 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="continue a prompt with a checkpoint")
     gen.add_argument("prompt")
-    gen.add_argument("--ckpt", required=True, help="a run folder (its newest checkpoint) or a step_* folder")
+    gen.add_argument("--ckpt", "--model", dest="ckpt", required=True,
+                     help="a model folder (config.json + safetensors), a run folder (its newest checkpoint) or a "
+                          "step_* folder")  # fmt: skip
+    gen.add_argument(
+        "--text-only",
+        action="store_true",
+        help="a multimodal model folder: load the language model, skip vision_tower/mm_projector",
+    )
     gen.add_argument("--max-tokens", type=int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-p", type=float, default=0.95)
@@ -274,6 +297,25 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--memory-budget", type=float, default=None, help="MiB for the engine's page pool (256)")
     size.add_argument("--num-pages", type=int, default=None, help="the page pool's size in pages instead")
     gen.set_defaults(func=cmd_generate)
+
+    export = sub.add_parser("export", help="write a model folder in the release layout from a run or checkpoint")
+    export.add_argument("--ckpt", required=True, help="a run folder, a step_* folder or a model folder")
+    export.add_argument("--out", required=True, help="the model folder to write (must not exist, or be empty)")
+    export.add_argument("--shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    export.add_argument(
+        "--quantize",
+        choices=["mxfp4"],
+        default=None,
+        help="pack the routed experts as the release does (compressed-tensors MXFP4)",
+    )
+    export.add_argument(
+        "--prefix",
+        choices=["model", "language_model"],
+        default="model",
+        help="model: text-only names; language_model: the multimodal release's (for llama.cpp)",
+    )
+    export.add_argument("--force", action="store_true", help="replace a non-empty --out (once the new one is written)")
+    export.set_defaults(func=cmd_export)
 
     plot = sub.add_parser("plot", help="draw a run's loss and MaxVio curves to PNG")
     plot.add_argument("run")

@@ -13,6 +13,7 @@ nothing behind and an existing folder untouched (with force, it is replaced only
 complete).
 """
 
+import copy
 import json
 import os
 import re
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from k3.config import K3Config
+from k3.config import RELEASED_QUANTIZATION_CONFIG, K3Config
 from k3.hub.folder import INDEX, SINGLE, ModelFolderError
 from k3.hub.layout import EXPERT_WEIGHT, release_name
 from k3.model.names import RELEASED_A_LOG_SIZE
@@ -34,46 +35,8 @@ MODEL_TYPE = "kimi_k3"
 
 
 def mxfp4_quantization_config() -> dict[str, Any]:
-    """The release's quantization_config: compressed-tensors MXFP4 on the routed experts only; everything
-    else (attention, shared experts, the dense MLP, lm_head, vision tower, projector) stays unquantised."""
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "mxfp4-pack-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {
-                    "num_bits": 4,
-                    "type": "float",
-                    "symmetric": True,
-                    "strategy": "group",
-                    "group_size": 32,
-                    "dynamic": False,
-                    "actorder": None,
-                    "observer": "minmax",
-                    "observer_kwargs": {},
-                    "scale_dtype": "torch.uint8",
-                    "zp_dtype": None,
-                },
-                "input_activations": None,
-                "output_activations": None,
-                "format": "mxfp4-pack-quantized",
-            }
-        },
-        "ignore": [
-            "lm_head",
-            "re:.*self_attn.*",
-            "re:.*shared_experts.*",
-            "re:.*mlp\\.(gate|up|down)_proj.*",
-            "re:.*block_sparse_moe\\.gate.*",
-            "re:.*routed_expert_(down|up)_proj.*",
-            "re:.*_res_proj.*",
-            "re:vision_tower.*",
-            "re:mm_projector.*",
-        ],
-        "kv_cache_scheme": None,
-    }
+    """The release's quantization_config (compressed-tensors MXFP4 on the routed experts only)."""
+    return copy.deepcopy(RELEASED_QUANTIZATION_CONFIG)
 
 
 def parse_size(text: str) -> int:
@@ -132,23 +95,19 @@ def shard(tensors: dict[str, torch.Tensor], shard_size: int) -> list[dict[str, t
 
 
 def release_config(config: K3Config, prefix: str, quantize: str | None, eos_id: int | None) -> dict[str, Any]:
-    """config.json: the official nesting, the top-level architecture of the chosen layout, and the
-    quantization_config that matches the tensors written (none for dense experts)."""
-    config = replace(config, quantization_config=None)
+    """config.json: K3Config.to_hf() (the official nesting) with the architecture of the chosen layout and
+    the quantization_config that matches the tensors written: the release's for MXFP4 experts (placed where
+    to_hf places it: inside text_config for a config made in k3), none for dense ones."""
+    config = replace(config, quantization_config=mxfp4_quantization_config() if quantize == "mxfp4" else None)
     if config.eos_token_id is None and eos_id is not None:
         config = replace(config, eos_token_id=eos_id)
     top = config.to_hf()
-    top.pop("quantization_config", None)
-    text = top.get("text_config", top)
-    text.pop("quantization_config", None)
     top["architectures"] = [ARCHITECTURES[prefix]]
     top.setdefault("model_type", MODEL_TYPE)
-    # Fields public converters read that k3 derives: MLA has as many KV heads as query heads, and the
-    # router is a sigmoid (the only kind k3 builds).
+    text = top.get("text_config", top)
+    # Read by public converters (llama.cpp's among them); k3 computes exactly these.
     text.setdefault("num_key_value_heads", config.num_attention_heads)
     text.setdefault("moe_router_activation_func", "sigmoid")
-    if quantize == "mxfp4":
-        text["quantization_config"] = mxfp4_quantization_config()  # where the release keeps it
     return top
 
 

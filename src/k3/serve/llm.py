@@ -1,7 +1,10 @@
-"""The offline interface: `LLM(ckpt).generate(prompts, SamplingParams(...))`, and a streaming iterator."""
+"""The offline interface: `LLM(model=path).generate(prompts, SamplingParams(...))`, and a streaming iterator."""
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
@@ -20,23 +23,32 @@ class Completion:
 
 
 class LLM:
-    """A checkpoint (run folder or step folder) behind the engine.
+    """A model behind the engine: `LLM(path)` or `LLM(model=path)` (vLLM's spelling), where path is a model
+    folder (config.json + safetensors, e.g. from `k3 export` or the release layout), a run folder (its
+    newest checkpoint) or a step folder.
 
-    memory_budget: bytes for the page pool (default 256 MiB), or num_pages: its size in pages; other
-    keywords go to SchedulerConfig.
+    memory_budget: bytes for the page pool (default 256 MiB), or num_pages: its size in pages.
+    text_only: load a multimodal folder's language model, skipping the vision tower and projector.
+    dtype: the model's dtype (float32 by default; folder tensors are converted to it). Other keywords go
+    to SchedulerConfig. `ckpt=` is the older keyword for the path.
     """
 
-    def __init__(self, ckpt: str, memory_budget: int | None = None, num_pages: int | None = None,
-                 enable_prefix_caching: bool = True, device: str = "cpu", **scheduler_kwargs):  # fmt: skip
-        from k3.train.checkpoint import load_for_inference
+    def __init__(self, model: str | Path | None = None, memory_budget: int | None = None,
+                 num_pages: int | None = None, enable_prefix_caching: bool = True, device: str = "cpu",
+                 text_only: bool = False, dtype: torch.dtype = torch.float32, ckpt: str | Path | None = None,
+                 **scheduler_kwargs):  # fmt: skip
+        from k3.hub import load_for_inference
 
+        if (model is None) == (ckpt is None):
+            raise TypeError("LLM takes one model path: LLM(path), LLM(model=path) or LLM(ckpt=path)")
         if memory_budget is None and num_pages is None:
             memory_budget = 256 << 20
         config = EngineConfig(memory_budget=memory_budget, num_pages=num_pages,
                               enable_prefix_caching=enable_prefix_caching,
                               scheduler=SchedulerConfig(**scheduler_kwargs))  # fmt: skip
-        model, self.tokenizer = load_for_inference(ckpt, device=device)
-        self.engine = LLMEngine(model, self.tokenizer, config)
+        weights, self.tokenizer = load_for_inference(model if ckpt is None else ckpt, device=device, dtype=dtype,
+                                                     text_only=text_only)  # fmt: skip
+        self.engine = LLMEngine(weights, self.tokenizer, config)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:  # fmt: skip

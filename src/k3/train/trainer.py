@@ -4,14 +4,15 @@ checkpoints and exact resume.
 
 A run lives in one folder: tokenizer.json, the packed token streams (*.npy), metrics.jsonl and
 step_XXXXXXXX/ checkpoints. `--resume` continues from the newest checkpoint and produces the same
-losses as an unbroken run (bitwise on CPU).
+losses as an unbroken run (bitwise on CPU). `--init-from` starts a new run from the weights, config and
+tokenizer of a run, step or model folder (k3.hub loads it) instead of a preset's random init.
 """
 
 import contextlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,8 @@ class TrainArgs:
     data: str | None = None
     vocab_size: int = 8192
     resume: bool = False
+    init_from: str | None = None
+    text_only: bool = False
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -98,6 +101,9 @@ class Trainer:
         elif step_dirs(self.run):
             raise CheckpointError(f"{self.run} already holds checkpoints: pass --resume, or choose a new --out")
 
+        pretrained = None
+        if args.init_from is not None and ckpt is None:
+            pretrained = self._init_source(args.init_from, args.text_only)
         train_docs, val_docs = load_corpus(args.data)
         self.tokenizer = prepare_tokenizer(self.run, train_docs, args.vocab_size)
         self.train_data = PackedSequences(cached_pack(self.run / "train_tokens.npy", train_docs, self.tokenizer),
@@ -105,12 +111,17 @@ class Trainer:
         val = PackedSequences(cached_pack(self.run / "val_tokens.npy", val_docs, self.tokenizer), args.seq_len)
         self.val_batches = val.fixed_batches(args.eval_batches, args.batch_size)
 
-        self.config = K3Config.from_preset(args.preset, vocab_size=self.tokenizer.vocab_size)
+        if pretrained is not None:
+            self.config = pretrained.config
+        elif args.init_from is not None and ckpt is not None:
+            self.config = ckpt.config  # the run started from another model's config; its checkpoint has it
+        else:
+            self.config = K3Config.from_preset(args.preset, vocab_size=self.tokenizer.vocab_size)
         if ckpt is not None and ckpt.config != self.config:
             raise CheckpointError(f"{ckpt.path} was trained with another configuration: " + "; ".join(
                 config_diff(ckpt.config, self.config)))  # fmt: skip
         torch.manual_seed(args.seed)
-        self.model = K3Model(self.config).to(self.device)
+        self.model = (K3Model(self.config) if pretrained is None else pretrained.model.train()).to(self.device)
         self.optimizer = build_optimizer(self.model, lr=args.lr, weight_decay=args.weight_decay)
         self.balancer = None
         if args.balancer == "quantile":
@@ -120,6 +131,29 @@ class Trainer:
         self.step, self.position = 0, 0
         if ckpt is not None:
             self._restore(ckpt)
+
+    def _init_source(self, path: str, text_only: bool):
+        """--init-from: weights, config and tokenizer of a run, step or model folder; the tokenizer is copied
+        into the run so the corpus is tokenised the way the weights expect."""
+        from k3.hub import load_pretrained
+
+        pretrained = load_pretrained(path, text_only=text_only)
+        if pretrained.tokenizer_path is None:
+            raise CheckpointError(f"--init-from {path}: no tokenizer.json beside the weights; training needs the "
+                                  f"tokenizer the model was trained with")  # fmt: skip
+        if K3Tokenizer.load(pretrained.tokenizer_path).vocab_size > pretrained.config.vocab_size:
+            raise CheckpointError(f"--init-from {path}: its tokenizer has more tokens than its model's vocabulary")
+        source = pretrained.tokenizer_path.read_bytes()
+        own = self.run / "tokenizer.json"
+        if own.exists() and own.read_bytes() != source:
+            raise CheckpointError(f"{own} differs from the tokenizer of --init-from {path}; choose a new --out")
+        own.write_bytes(source)
+        # The run trains dense weights: a release's quantization_config describes packed experts, not these.
+        pretrained.config = replace(pretrained.config, quantization_config=None)
+        pretrained.model.config = pretrained.config
+        self.log(f"initialised from {pretrained.path} ({pretrained.kind}); its config and tokenizer replace "
+                 f"--preset and --vocab-size")  # fmt: skip
+        return pretrained
 
     def _restore(self, ckpt) -> None:
         ckpt.load_model(self.model)
