@@ -197,3 +197,77 @@ def test_errors():
         dequantize_mx(torch.full((1, 32), 16, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.uint8))
     with pytest.raises(TypeError, match="dequantize to"):
         unpack_mxfp4(packed, scale, dtype=torch.int8)
+
+
+# The independent oracle: compressed-tensors defines `mxfp4-pack-quantized`; its compressor must read k3's
+# bytes as k3 does and write k3's bytes from k3's scales. Skipped when it is not installed (see docs/quantization.md).
+
+
+def oracle_weight(dtype: torch.dtype) -> torch.Tensor:
+    """(6, 160): random blocks over 24 binades plus the hand-computed blocks (every tie, a power-of-two amax,
+    saturation, an all-zero block, −0.1 → −0) and their negations; no input is −0.0."""
+    torch.manual_seed(5)
+    w = torch.randn(6, 160, dtype=torch.float64) * torch.logspace(-12, 12, 160, base=2, dtype=torch.float64)
+    hand = torch.tensor([v for v, _, _ in HAND_BLOCKS.values()], dtype=torch.float64).flatten()
+    w[4, :128], w[5, :128] = hand, 0.0 - hand  # 0.0 − 0.0 is +0.0
+    return w.to(dtype)
+
+
+@pytest.fixture
+def mxfp4_compressor():
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    return MXFP4PackedCompressor, QuantizationScheme(targets=["Linear"], **PRESET_SCHEMES["MXFP4A16"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_oracle_decompresses_k3_bytes_to_k3_weights(mxfp4_compressor, dtype):
+    compressor, scheme = mxfp4_compressor
+    packed, scale = pack_mxfp4(oracle_weight(dtype))
+    theirs = compressor.decompress({"weight_packed": packed, "weight_scale": scale}, scheme)["weight"]
+    assert theirs.dtype == torch.bfloat16  # its decompression always yields bf16
+    assert torch.equal(theirs, unpack_mxfp4(packed, scale, torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_oracle_compresses_with_k3_scales_to_k3_bytes(mxfp4_compressor, dtype):
+    """Given k3's scales, it writes k3's bytes from the original weights (same rounding, ties, saturation,
+    −0 for a negative value that rounds to zero) and, from k3's dequantised weights, k3's bytes except that
+    it writes an input −0.0 as +0 (it takes the sign from torch.sign, which is +0 for −0.0), so its own
+    round trip turns code 0b1000 into 0b0000 where k3's keeps it."""
+    compressor, scheme = mxfp4_compressor
+    w = oracle_weight(dtype)
+    packed, scale = pack_mxfp4(w)
+    float_scale = e8m0_table(torch.float32)[scale.long()]
+    theirs = compressor.compress({"weight": w, "weight_scale": float_scale}, scheme)
+    assert torch.equal(theirs["weight_scale"], scale)
+    assert torch.equal(theirs["weight_packed"], packed)
+    theirs = compressor.compress({"weight": unpack_mxfp4(packed, scale, dtype), "weight_scale": float_scale}, scheme)
+    assert torch.equal(theirs["weight_scale"], scale)
+    low, high = packed & 0x0F, packed >> 4
+    assert ((low == 8) | (high == 8)).any()  # −0 codes are there, so the difference is exercised
+    plus_zero = torch.where(low == 8, 0, low) | torch.where(high == 8, 0, high) << 4
+    assert torch.equal(theirs["weight_packed"], plus_zero.to(torch.uint8))
+
+
+def test_oracle_scale_rule_rounds_amax_up_past_1_75(mxfp4_compressor):
+    """Its observer's scale (calculate_qparams) is k3's (OCP) scale except when a block's amax has a
+    significand of at least 1.75: it then rounds amax up to the next power of two first, one binade higher
+    (amax 7 → scale 2, so 7 → 3.5 → 4, where OCP gives scale 1 and 7 → 6)."""
+    _, scheme = mxfp4_compressor
+    from compressed_tensors.compressors.mx_utils import compress_mx_scale
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    w = oracle_weight(torch.float32)
+    blocks = w.unflatten(-1, (-1, 32))
+    float_scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), scheme.weights)
+    theirs = compress_mx_scale(float_scale, torch.uint8)
+    _, ours = pack_mxfp4(w)
+    amax = blocks.abs().amax(-1).double()
+    significand = torch.frexp(amax).mantissa * 2  # amax = significand · 2^e, significand in [1, 2)
+    assert torch.equal(theirs.int() - ours.int(), (significand >= 1.75).int())
+    assert ((significand >= 1.75) & (amax > 0)).any() and (significand < 1.75).any()
+    assert ours[4, 3] == theirs[4, 3] == 0  # the all-zero block: byte 0 (2^-127) in both
