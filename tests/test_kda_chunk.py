@@ -137,8 +137,8 @@ def test_varlen_matches_per_sequence_reference(lengths):
     compare(fast, ref, [q, k, v, g, beta, h0])
 
 
-@pytest.mark.parametrize("chunk_size", [16, 32, 128])
-def test_other_chunk_sizes(chunk_size):
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_chunk_sizes(chunk_size):
     q, k, v, g, beta = make_inputs(1, 150, 2, 16, 16)
     o, S = chunk_kda(q, k, v, g, beta, output_final_state=True, chunk_size=chunk_size)
     ref_o, ref_S = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)

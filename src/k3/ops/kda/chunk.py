@@ -21,7 +21,7 @@ Unbounded gates that exceed this are detected and the diagonal blocks recomputed
 import torch
 import torch.nn.functional as F
 
-from k3.ops.kda.backend import fla_kda, resolve
+from k3.ops.kda.backend import kernels, on_device, resolve
 from k3.ops.kda.inputs import KDAFlags, check_inputs, prepare, seq_bounds
 
 SUB = 32  # row-block length of the pivoted factorisation; the pivot sits in its middle
@@ -141,7 +141,8 @@ def chunk_kda_fwd(
     initial_state: torch.Tensor | None,
     chunk_size: int,
     seq_chunks: list[tuple[int, int]] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    chunk_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The chunked algorithm on prepared inputs (heads already expanded, flags applied).
 
     q, k, g: (B, T, H, K); v: (B, T, H, V); beta: (B, T, H); all in the compute dtype (fp32 or
@@ -150,7 +151,8 @@ def chunk_kda_fwd(
     seq_chunks: for packed sequences (B == 1, laid out chunk-aligned by the caller), each sequence's
     [first, last) chunk; the state restarts from that sequence's initial state at its first chunk.
     None means one sequence per batch row.
-    Returns o (B, T, H, V) and the final states (N, H, K, V).
+    Returns o (B, T, H, V), the final states (N, H, K, V) and, if chunk_states, the state at the start
+    of every chunk (B, NC, H, K, V) (fla's `return_intermediate_states`), else None.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -166,7 +168,7 @@ def chunk_kda_fwd(
     last = {c1 - 1: i for i, (c0, c1) in enumerate(seq_chunks) if c1 > c0}
 
     zeros = q.new_zeros(B * H, K, V)
-    S, finals, outs = zeros, list(h0), []
+    S, finals, outs, starts = zeros, list(h0), [], []
     group = max(1, GROUP_ELEMENTS // (B * H * C * max(K, V)))
     for c0 in range(0, NC, group):
         c1 = min(NC, c0 + group)
@@ -186,6 +188,8 @@ def chunk_kda_fwd(
             n = c0 + j
             if n in first:
                 S = zeros if h0[first[n]] is None else h0[first[n]].reshape(B * H, K, V).to(q.dtype)
+            if chunk_states:
+                starts.append(S)
             u = torch.baddbmm(U[:, j], W[:, j], S, alpha=-1)  # U − W S
             o.append(torch.baddbmm(q_decay[:, j] @ S, Aqk[:, j], u))
             S = torch.baddbmm(decay_end[:, j] * S, k_to_end[:, j], u)
@@ -196,7 +200,14 @@ def chunk_kda_fwd(
 
     o = torch.cat(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
     final = torch.cat([(zeros if s is None else s.to(q.dtype)).reshape(-1, H, K, V) for s in finals])
-    return o, final
+    h = None
+    if chunk_states:
+        h = torch.stack(starts, dim=1) if starts else q.new_zeros(B * H, 0, K, V)  # (B·H, NC, K, V)
+        h = h.view(B, H, -1, K, V).transpose(1, 2)
+    return o, final, h
+
+
+CHUNK_SIZES = (32, 64)  # what fla's kernels accept; the torch path agrees, so a call never depends on the backend
 
 
 def chunk_kda(
@@ -214,20 +225,32 @@ def chunk_kda(
     allow_neg_eigval: bool = False,
     safe_gate: bool = False,
     lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    *,
     chunk_size: int = 64,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunkwise-parallel KDA with fla.ops.kda.chunk_kda's arguments and semantics.
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Chunkwise-parallel KDA with fla.ops.kda.chunk_kda's arguments (fla 0.6.0's order) and semantics.
 
     q, k: (B, T, H, K); v: (B, T, HV, V); g: (B, T, HV, K) log-decay (raw gate input when
     use_gate_in_kernel); beta: (B, T, HV) (logits when use_beta_sigmoid_in_kernel);
-    initial_state: (N, HV, K, V); cu_seqlens: (N+1,) packed sequence bounds with B == 1.
+    initial_state: (N, HV, K, V), or (N, HV, V, K) with state_v_first; cu_seqlens: (N+1,) packed
+    sequence bounds with B == 1, on q's device; cu_seqlens_cpu: the same bounds on the CPU (the torch
+    path reads them instead of synchronising with the device). chunk_size: 32 or 64, as fla.
+    disable_recompute: fla keeps its intermediates for the backward instead of recomputing them; the
+    torch path always keeps what autograd needs, so the flag changes no result.
+    return_intermediate_states (inside torch.inference_mode(), as fla requires): also return h, the state
+    at the start of every chunk, (B, NC, HV, K, V) ((1, total chunks, ...) for packed sequences, each
+    sequence's chunks in order), in k's dtype as fla stores it: what a prefix cache checkpoints.
     Any T; gradients flow to q, k, v, g, beta, initial_state (and A_log, dt_bias).
     Returns o (B, T, HV, V) in v's dtype and, if output_final_state, the final states (N, HV, K, V)
-    in fp32 (fp64 for fp64 inputs).
+    in fp32 (fp64 for fp64 inputs); then h if asked.
     """
     flags = KDAFlags(
         use_qk_l2norm_in_kernel,
@@ -237,45 +260,51 @@ def chunk_kda(
         safe_gate,
         lower_bound,
     )
-    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, flags, A_log, dt_bias)
-    if chunk_size < SUB // 2 or chunk_size % (SUB // 2):
-        raise ValueError(f"chunk_size must be a positive multiple of {SUB // 2}, got {chunk_size}")
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES} (as fla's KDA kernels), got {chunk_size}")
+    if return_intermediate_states:
+        if not torch.is_inference_mode_enabled():
+            raise ValueError("return_intermediate_states=True bypasses autograd: call it inside torch.inference_mode()")
+        if disable_recompute:
+            raise ValueError("return_intermediate_states=True cannot be combined with disable_recompute=True (as fla)")
+    h0_user = initial_state
+    if state_v_first and initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2)
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, flags, A_log, dt_bias, cu_seqlens_cpu)
     if resolve(backend, q) == "fla":
-        return fla_kda().chunk_kda(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-            allow_neg_eigval=allow_neg_eigval,
-            safe_gate=safe_gate,
-            lower_bound=lower_bound,
-            cu_seqlens=cu_seqlens,
-            chunk_size=chunk_size,
-            A_log=A_log,
-            dt_bias=dt_bias,
-        )
+        kwargs = dict(
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
+            return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, A_log=A_log, dt_bias=dt_bias,
+        )  # fmt: skip
+        # fla asserts an fp32 initial state; the torch path upcasts any state, so the seam does too.
+        h0 = None if h0_user is None else h0_user.float()
+        with on_device(q):
+            return kernels().chunk_kda(
+                q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=output_final_state, **kwargs
+            )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q2, k2, v2, g2, b2, h0 = prepare(q, k, v, g, beta, initial_state, flags, A_log, dt_bias)
+    chunk_states = return_intermediate_states
     if cu_seqlens is None:
-        o, final = chunk_kda_fwd(q2, k2, v2, g2, b2, scale, h0, chunk_size)
+        o, final, h = chunk_kda_fwd(q2, k2, v2, g2, b2, scale, h0, chunk_size, chunk_states=chunk_states)
     else:
         # Lay the sequences out chunk-aligned (each padded to whole chunks with neutral zeros) so a
         # chunk never straddles two of them; the state restarts at each sequence's first chunk.
         C, seq_chunks, dst, start = chunk_size, [], [], 0
-        for s, e in seq_bounds(cu_seqlens):
+        for s, e in seq_bounds(cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu):
             n = -(-(e - s) // C)
             seq_chunks.append((start, start + n))
             dst.append(torch.arange(start * C, start * C + e - s, device=q.device))
             start += n
         dst = torch.cat(dst)
         padded = [x.new_zeros(1, start * C, *x.shape[2:]).index_copy(1, dst, x) for x in (q2, k2, v2, g2, b2)]
-        o, final = chunk_kda_fwd(*padded, scale, h0, C, seq_chunks)
+        o, final, h = chunk_kda_fwd(*padded, scale, h0, C, seq_chunks, chunk_states=chunk_states)
         o = o.index_select(1, dst)
-    return o.to(v.dtype), (final if output_final_state else None)
+    if state_v_first:
+        final = final.transpose(-1, -2)
+        h = None if h is None else h.transpose(-1, -2)
+    out = (o.to(v.dtype), final if output_final_state else None)
+    return (*out, h.to(k.dtype)) if return_intermediate_states else out

@@ -41,8 +41,9 @@ def check_inputs(
     flags: KDAFlags,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> None:
-    """Raise ValueError naming the offending tensor and the shape or dtype it should have."""
+    """Raise ValueError naming the offending tensor and the shape, dtype or device it should have."""
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     for name, x in named.items():
         if not isinstance(x, torch.Tensor):
@@ -75,10 +76,22 @@ def check_inputs(
             raise ValueError(
                 f"cu_seqlens must be a 1-D int32/int64 tensor [N+1], got {cu_seqlens.dtype} {_shape(cu_seqlens)}"
             )
-        bounds = cu_seqlens.tolist()
+        if cu_seqlens.device != q.device:
+            raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+        cpu_copy = cu_seqlens_cpu
+        if cpu_copy is not None and (cpu_copy.device.type != "cpu" or cpu_copy.shape != cu_seqlens.shape):
+            raise ValueError(
+                f"cu_seqlens_cpu must be cu_seqlens's copy on the CPU, shape {_shape(cu_seqlens)}; got "
+                f"{_shape(cu_seqlens_cpu)} on {cu_seqlens_cpu.device}"
+            )
+        bounds = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
         if bounds[0] != 0 or bounds[-1] != T or any(b > a for a, b in zip(bounds[1:], bounds[:-1], strict=True)):
             raise ValueError(f"cu_seqlens must rise from 0 to T = {T} without decreasing, got {bounds}")
         N = len(bounds) - 1
+    elif cu_seqlens_cpu is not None:
+        raise ValueError("cu_seqlens_cpu is the CPU copy of cu_seqlens: pass cu_seqlens too")
+    if initial_state is not None and initial_state.device != q.device:
+        raise ValueError(f"initial_state must be on q's device {q.device}, got {initial_state.device}")
     if initial_state is not None and initial_state.shape != (N, HV, K, V):
         what = "number of sequences" if cu_seqlens is not None else "batch size"
         raise ValueError(
@@ -93,6 +106,9 @@ def check_inputs(
             raise ValueError("use_gate_in_kernel=True needs A_log (or a lower_bound for the bounded gate)")
         if flags.safe_gate and flags.lower_bound is None:
             raise ValueError("safe_gate=True with use_gate_in_kernel=True needs lower_bound in [-5, 0)")
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if x is not None and x.device != q.device:
+                raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
         if A_log is not None and A_log.numel() != HV:
             raise ValueError(f"A_log must have HV = {HV} elements, got shape {_shape(A_log)}")
         if dt_bias is not None and dt_bias.numel() != HV * K:
