@@ -39,8 +39,8 @@ def test_chunked_prefill_and_batched_decode_match_uncached():
     """The runner takes the model's configured MLA path (naive here) over the paged cache; the
     reference is the uncached forward."""
     model = tiny_model(mla_impl="naive")
-    layout = PageLayout.from_config(model.config)
-    pool = PagePool(layout, num_pages=200, dtype=torch.float64)
+    layout = PageLayout.from_config(model.config, torch.float64)
+    pool = PagePool(layout, num_pages=200)
     runner = ModelRunner(model, pool)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 23, 40)]
@@ -75,8 +75,8 @@ def test_one_forward_mixes_prefill_chunks_and_decodes(impl):
     """Each step packs prefill chunks of random (often equal) lengths and the decodes of sequences
     whose prompt is done into one forward; every returned row equals that sequence's uncached logits."""
     model = tiny_model(mla_impl=impl)
-    layout = PageLayout.from_config(model.config)
-    pool = PagePool(layout, num_pages=300, dtype=torch.float64)
+    layout = PageLayout.from_config(model.config, torch.float64)
+    pool = PagePool(layout, num_pages=300)
     runner = ModelRunner(model, pool)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (1, 6, 13, 13, 30, 70)]
@@ -110,8 +110,8 @@ def test_pieces_of_one_sequence_in_one_forward_and_snapshots():
     each of the first two written into snapshot pages on the way: every piece's last logits equal the
     uncached forward, and each snapshot equals the state after that many tokens computed alone."""
     model = tiny_model()
-    layout = PageLayout.from_config(model.config)
-    pool = PagePool(layout, num_pages=100, dtype=torch.float64)
+    layout = PageLayout.from_config(model.config, torch.float64)
+    pool = PagePool(layout, num_pages=100)
     runner = ModelRunner(model, pool)
     prompt = torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(5)).tolist()
     one, ref = (Seq(list(prompt), state_pages=pool.allocate(layout.n_kda)) for _ in range(2))

@@ -1,5 +1,6 @@
 """The paged pool: layout arithmetic, views into one storage tensor, and the allocator's semantics."""
 
+import dataclasses
 import random
 
 import pytest
@@ -224,7 +225,7 @@ def test_from_budget():
     assert PagePool.from_budget(L, 4 * 3264).num_pages == 4
     with pytest.raises(ValueError, match=r"holds 3 pages of 3264 bytes; one request needs at least 4 pages \(13056"):
         PagePool.from_budget(L, 4 * 3264 - 1)
-    assert PagePool.from_budget(L, 8 * 6528, dtype=torch.float64).num_pages == 8
+    assert PagePool.from_budget(dataclasses.replace(L, dtype=torch.float64), 8 * 6528).num_pages == 8
     with pytest.raises(ValueError, match="at least one page"):
         PagePool(L, 0)
 

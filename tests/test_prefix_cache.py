@@ -1,6 +1,8 @@
 """Prefix cache: chained unit hashes, latent and checkpoint registration, matching, whole-group eviction,
 exact counters, and a hit that resumes from a KDA checkpoint giving the logits of an uncached forward."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -223,7 +225,7 @@ class Harness:
 
     def __init__(self, num_pages: int):
         self.model = tiny_model(**TINY16)
-        self.pool = PagePool(LAYOUT, num_pages, dtype=torch.float64)
+        self.pool = PagePool(dataclasses.replace(LAYOUT, dtype=torch.float64), num_pages)
         self.pool.storage.fill_(7.0)  # stale data must not leak into a request
         self.runner = ModelRunner(self.model, self.pool)
         self.cache = PrefixCache(self.pool, BLOCK, checkpoint_interval=64)

@@ -55,11 +55,12 @@ class LLMEngine:
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
-        self.layout = PageLayout.from_config(model.config)
+        # latents and conv tails in the model's dtype; KDA states fp32 (fp64 for an fp64 model) in any pool
+        self.layout = PageLayout.from_config(model.config, dtype)
         if config.num_pages is not None:
-            self.pool = PagePool(self.layout, config.num_pages, device=device, dtype=dtype)
+            self.pool = PagePool(self.layout, config.num_pages, device=device)
         else:
-            self.pool = PagePool.from_budget(self.layout, config.memory_budget, device=device, dtype=dtype)
+            self.pool = PagePool.from_budget(self.layout, config.memory_budget, device=device)
         self.cache = None
         if config.enable_prefix_caching:
             block = config.hash_block_pages * self.layout.page_tokens

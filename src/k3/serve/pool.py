@@ -35,11 +35,17 @@ class OutOfPages(RuntimeError):
 
 @dataclass(frozen=True)
 class PageLayout:
-    """What a page holds, derived from the model config.
+    """What a page holds, derived from the model config and the pool's dtype.
+
+    Sizes are counted in values of the pool's dtype (`dtype`). The KDA state S is always kept in
+    `state_dtype`: fp32, or fp64 for an fp64 pool, never half precision, because the recurrence
+    accumulates it over every token; in a bf16/fp16 pool it takes two storage values per number
+    (the page's bytes are read as fp32). The conv tail and the MLA latents are in the pool's dtype.
 
     P = ceil(kda_elems / (n_mla · latent_dim)) tokens of latents for all MLA layers, and
-    page_elems = P · n_mla · latent_dim, where kda_elems = H·K·V + (kernel−1)·(2·H·K + H·V) is one KDA
-    layer's decoding state; the rest of a state page is padding. Without MLA layers a page is one state.
+    page_elems = P · n_mla · latent_dim, where kda_elems = state_elems + (kernel−1)·(2·H·K + H·V) is one
+    KDA layer's decoding state; the rest of a state page is padding. Without MLA layers a page is one
+    state. P is rounded up so that page_elems is whole fp32 numbers.
     """
 
     page_elems: int
@@ -50,24 +56,39 @@ class PageLayout:
     conv_width: int  # kernel − 1: the inputs a short convolution must remember
     latent_dim: int  # kv_lora_rank + qk_rope_head_dim: c_kv then k_pe, one row per token and MLA layer
     page_tokens: int  # P; 0 when the model has no MLA layer
+    dtype: torch.dtype = torch.float32  # the pool's storage: latents and conv tails
 
     @classmethod
-    def from_config(cls, config: K3Config) -> "PageLayout":
+    def from_config(cls, config: K3Config, dtype: torch.dtype = torch.float32) -> "PageLayout":
+        if not dtype.is_floating_point:
+            raise ValueError(f"a page pool holds floating-point values, got {dtype}")
         H, K = config.kda_num_heads, config.kda_head_dim
         width = config.short_conv_kernel_size - 1
-        kda_elems = H * K * K + width * (2 * H * K + H * K)
+        ratio = _state_ratio(dtype)
+        kda_elems = H * K * K * ratio + width * (2 * H * K + H * K)
         n_mla = config.layer_types.count("mla")
         latent_dim = config.kv_lora_rank + config.qk_rope_head_dim
-        P = -(-kda_elems // (n_mla * latent_dim)) if n_mla else 0
+        if n_mla:
+            P = -(-kda_elems // (n_mla * latent_dim))
+            while P * n_mla * latent_dim % ratio:
+                P += 1
+            page_elems = P * n_mla * latent_dim
+        else:
+            P, page_elems = 0, -(-kda_elems // ratio) * ratio
         return cls(
-            page_elems=P * n_mla * latent_dim if n_mla else kda_elems, n_kda=len(config.layer_types) - n_mla,
-            n_mla=n_mla, kda_heads=H, kda_head_dim=K, conv_width=width, latent_dim=latent_dim, page_tokens=P,
+            page_elems=page_elems, n_kda=len(config.layer_types) - n_mla, n_mla=n_mla, kda_heads=H,
+            kda_head_dim=K, conv_width=width, latent_dim=latent_dim, page_tokens=P, dtype=dtype,
         )  # fmt: skip
 
     @property
+    def state_dtype(self) -> torch.dtype:
+        """fp32, or fp64 in an fp64 pool: the dtype of every KDA state S."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    @property
     def state_elems(self) -> int:
-        """H·K·V: the fp32 state S at the start of a KDA page."""
-        return self.kda_heads * self.kda_head_dim**2
+        """Storage values S (H, K, V) takes at the start of a KDA page: H·K·V, twice that in a half pool."""
+        return self.kda_heads * self.kda_head_dim**2 * _state_ratio(self.dtype)
 
     @property
     def conv_channels(self) -> int:
@@ -91,7 +112,7 @@ class PageLayout:
 
     @property
     def bytes_per_page(self) -> int:
-        return self.page_elems * 4  # fp32
+        return self.page_elems * self.dtype.itemsize
 
     def latent_pages(self, tokens: int) -> int:
         """ceil(tokens / P): pages holding `tokens` tokens of latents for every MLA layer."""
@@ -108,21 +129,25 @@ class PageLayout:
         return self.n_kda * self.state_padding + unused * self.n_mla * self.latent_dim
 
 
+def _state_ratio(dtype: torch.dtype) -> int:
+    """Storage values per state number: 2 for a 16-bit pool (an fp32 number is two of them), else 1."""
+    return max(1, 4 // dtype.itemsize) if dtype.itemsize < 4 else 1
+
+
 class PagePool:
-    """`num_pages` pages of `layout.page_elems` values in one tensor allocated once, and their allocator.
+    """`num_pages` pages of `layout.page_elems` values (of `layout.dtype`) in one tensor allocated once,
+    and their allocator.
 
     Every page is exactly one of: free; used (refcount ≥ 1); evictable (refcount 0 but cached under a
     key, kept until the space is needed, least recently released first). The bookkeeping is plain
     Python with O(1) work per page; only the storage is a tensor.
     """
 
-    def __init__(
-        self, layout: PageLayout, num_pages: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-    ):
+    def __init__(self, layout: PageLayout, num_pages: int, device: torch.device | str = "cpu"):
         if num_pages < 1:
             raise ValueError(f"a page pool needs at least one page, got num_pages = {num_pages}")
         self.layout, self.num_pages = layout, num_pages
-        self.storage = torch.zeros(num_pages, layout.page_elems, device=device, dtype=dtype)  # (N, page_elems)
+        self.storage = torch.zeros(num_pages, layout.page_elems, device=device, dtype=layout.dtype)  # (N, page_elems)
         self._refcount = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() hands out page 0 first
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, least recently released first
@@ -133,22 +158,16 @@ class PagePool:
         self._scratch = self.storage.new_empty(0)
 
     @classmethod
-    def from_budget(
-        cls,
-        layout: PageLayout,
-        memory_bytes: int,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> "PagePool":
+    def from_budget(cls, layout: PageLayout, memory_bytes: int, device: torch.device | str = "cpu") -> "PagePool":
         """As many pages as fit in `memory_bytes`; at least one request (at context 1) must fit."""
-        page_bytes = layout.page_elems * dtype.itemsize
+        page_bytes = layout.bytes_per_page
         minimum = layout.request_pages(1)
         if memory_bytes // page_bytes < minimum:
             raise ValueError(
                 f"a memory budget of {memory_bytes} bytes holds {memory_bytes // page_bytes} pages of {page_bytes} "
                 f"bytes; one request needs at least {minimum} pages ({minimum * page_bytes} bytes): raise the budget"
             )
-        return cls(layout, memory_bytes // page_bytes, device=device, dtype=dtype)
+        return cls(layout, memory_bytes // page_bytes, device=device)
 
     def scratch(self, numel: int) -> torch.Tensor:
         """A reusable 1-D buffer of `numel` values in the pool's dtype, for the model runner's gathers of
@@ -163,9 +182,13 @@ class PagePool:
 
     # ---- views into storage (no copies) ---------------------------------------------------------
     def kda_states(self) -> torch.Tensor:
-        """(N, H, K, V): S of the KDA layer whose state a page holds; the page's first H·K·V values."""
+        """(N, H, K, V) in layout.state_dtype (fp32 whatever the pool's dtype): S of the KDA layer whose
+        state a page holds, the page's first bytes. Each row is contiguous; rows are a page apart."""
         L = self.layout
-        return self.storage[:, : L.state_elems].view(self.num_pages, L.kda_heads, L.kda_head_dim, L.kda_head_dim)
+        S = self.storage[:, : L.state_elems]
+        if S.dtype != L.state_dtype:
+            S = S.view(L.state_dtype)  # a 16-bit pool: pairs of values read as one fp32 number
+        return S.view(self.num_pages, L.kda_heads, L.kda_head_dim, L.kda_head_dim)
 
     def kda_conv(self) -> torch.Tensor:
         """(N, 2HK + HV, kernel−1): the conv tail stored right after S."""
@@ -345,7 +368,8 @@ class PagePool:
             f"page pool: {self.num_pages:,} pages × {_size(cap['page_bytes'])} = {_size(cap['memory_bytes'])} "
             f"({self.storage.dtype}, {self.storage.device})",
             f"  page = P = {L.page_tokens} tokens × {L.n_mla} MLA layers × {L.latent_dim} latent values; "
-            f"or one KDA layer's state: {L.state_elems:,} (S) + {L.conv_elems:,} (conv) values, padding {pad}",
+            f"or one KDA layer's state: {L.state_elems:,} (S, {L.state_dtype}) + {L.conv_elems:,} (conv) values, "
+            f"padding {pad}",
             f"  request = {L.n_kda} KDA state pages + ceil(tokens / {L.page_tokens}) latent pages; "
             f"{cap['tokens']:,} latent tokens in all",
         ]
