@@ -3,6 +3,7 @@
 import pytest
 
 from k3.cli import main
+from k3.ops.kda.backend import fla_version
 
 
 def test_env_reports_the_cpu_backend(capsys, monkeypatch):
@@ -18,3 +19,15 @@ def test_unknown_command_is_a_usage_error(capsys):
         main(["frobnicate"])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_env_with_an_impossible_backend_says_why_instead_of_a_traceback(capsys, monkeypatch):
+    """K3_KDA_BACKEND=fla on a machine without CUDA: `k3 env` reports it, and fla's version."""
+    monkeypatch.setenv("K3_KDA_BACKEND", "fla")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    line = next(row for row in out.splitlines() if row.startswith("KDA backend on cpu"))
+    assert "error: K3_KDA_BACKEND=fla cannot run chunk_kda here" in line and "cuda tensors" in line
+    fla = next(row for row in out.splitlines() if row.startswith("flash-linear-attention"))
+    version = fla_version()
+    assert fla.split(maxsplit=1)[1].startswith(f"{version}:" if version else "not installed")

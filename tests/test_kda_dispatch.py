@@ -5,6 +5,7 @@ through it and compared with the torch path."""
 import importlib.metadata
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -303,3 +304,11 @@ def test_train_cli_through_the_standin(standin, tmp_path):
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
     assert losses(tmp_path / "fla") == losses(tmp_path / "torch")
+
+
+def test_the_pinned_fla_range_is_the_tested_one():
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    lo, hi = (".".join(map(str, v)) for v in kda_backend.FLA_TESTED)
+    for name in ("flash-linear-attention", "fla-core"):
+        assert f"{name}>={lo},<{hi}" in project["optional-dependencies"]["cuda"]

@@ -17,21 +17,27 @@ from k3.model.params import DEFAULT_CONTEXT, format_report, param_report
 
 def cmd_env(args: argparse.Namespace) -> int:
     """What k3 will run on here: versions, threads, devices, and which KDA backend each device gets."""
-    from k3.ops.kda.backend import ENV_VAR, fla_kda, resolve
+    from k3.ops.kda.backend import ENV_VAR, describe, fla_kda, fla_version, fla_version_tested
 
-    cpu = torch.zeros(0)
+    version = fla_version()
+    if version is None:
+        fla = "not installed (pip install 'k3[cuda]' on a CUDA machine)"
+    elif not fla_version_tested(version):
+        fla = f"{version}: untested, not used (k3 is tested with the range in pyproject's cuda extra)"
+    else:
+        fla = f"{version}: kernels " + ("importable" if fla_kda() is not None else "not importable (no Triton/GPU)")
     rows = [
         ("k3", k3.__version__),
         ("python", platform.python_version()),
         ("torch", torch.__version__),
         ("cpu threads", str(torch.get_num_threads())),
         ("cuda", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "not available"),
-        ("fla kernels", "importable" if fla_kda() is not None else "not importable (torch path only)"),
+        ("flash-linear-attention", fla),
         (ENV_VAR, os.environ.get(ENV_VAR, "unset (auto)")),
-        ("KDA backend on cpu", resolve(None, cpu)),
+        ("KDA backend on cpu", describe("cpu")),
     ]
     if torch.cuda.is_available():
-        rows.append(("KDA backend on cuda", resolve(None, cpu.cuda())))
+        rows.append(("KDA backend on cuda", describe("cuda")))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
