@@ -282,3 +282,39 @@ def test_plain_names_single_file_and_bf16_in_fp32(tmp_path):
     assert plan.skipped == [] and next(model.parameters()).dtype == torch.float32
     for name, value in model.state_dict().items():
         assert torch.equal(value, weights[name].float()), name
+
+
+def test_mxfp4_experts_stay_packed_bytes_straight_from_the_folder(release, monkeypatch):
+    """quantization='mxfp4': the folder's weight_packed/weight_scale bytes land in MXFP4Linear buffers as they
+    are (no expert is decoded while loading), and the model computes what the dense-decoded load computes."""
+    import k3.quant.mx as mx
+    from k3.quant import MXFP4Linear, routed_expert_bytes
+
+    path, _ = release
+    folder, _ = release_tensors()
+    dense, _ = load_model_folder(path, dtype=torch.float64, text_only=True)
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("a packed expert was decoded to a dense weight while loading")
+
+    monkeypatch.setattr(mx, "unpack_mxfp4", no_decode)
+    stats = ReadStats()
+    packed, plan = load_model_folder(path, dtype=torch.float64, text_only=True, stats=stats, quantization="mxfp4")
+    monkeypatch.undo()
+    assert not packed.training and len(plan.skipped) == 2
+    state = packed.state_dict()
+    halves = {k.removeprefix("language_model."): v for k, v in folder.items() if k.endswith(("_packed", "_scale"))}
+    assert len(halves) == 4 * 4 * 3 * 2  # 4 MoE layers x 4 experts x w1/w2/w3 x (packed, scale)
+    for name, t in halves.items():
+        assert state[name].dtype == torch.uint8 and torch.equal(state[name], t), name
+    assert not [k for k in state if ".experts." in k and k.endswith(".weight")]
+    moe = packed.model.layers[1].block_sparse_moe
+    assert all(isinstance(getattr(ex, w), MXFP4Linear) for ex in moe.experts for w in ("w1", "w2", "w3"))
+    read = sum(t.numel() * t.element_size() for k, t in folder.items() if k.startswith("language_model."))
+    assert stats.bytes_read == read and stats.alive_bytes == 0
+    # fp64: 8 bytes per dense expert weight against 17/32 packed
+    assert routed_expert_bytes(dense) / routed_expert_bytes(packed) == pytest.approx(256 / 17)
+    with torch.no_grad():
+        assert torch.equal(packed(IDS).logits, dense(IDS).logits)
+    with pytest.raises(ValueError, match=r"quantization 'int8': k3 keeps routed experts dense \(None\) or"):
+        load_model_folder(path, text_only=True, quantization="int8")

@@ -50,3 +50,70 @@ def test_cli_generate_uses_the_engine(ckpt, capsys):
     assert out.out == plain and "page pool: 40 pages" in out.err
     assert main(["generate", "--ckpt", str(ckpt), "--num-pages", "2", "hello"]) == 2
     assert "needs" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def packed_folder(ckpt, tmp_path_factory):
+    """The k3 init checkpoint exported with its routed experts MXFP4-packed, as the release stores them."""
+    from k3.hub import export_model
+
+    return export_model(ckpt, tmp_path_factory.mktemp("packed") / "m", quantize="mxfp4")
+
+
+def test_llm_serves_from_packed_mxfp4_experts(packed_folder):
+    """quantization='mxfp4' keeps the experts packed in the engine's model: the same logits and greedy tokens as
+    the load that decodes them to dense fp32 weights (both compute from unpack(pack(w))), bitwise, with the
+    routed experts' resident bytes 128/17 times smaller."""
+    import torch
+
+    from k3.quant import MXFP4Linear, routed_expert_bytes
+
+    dense = LLM(model=str(packed_folder), memory_budget=8 << 20)
+    packed = LLM(model=str(packed_folder), quantization="mxfp4", memory_budget=8 << 20)
+    model = packed.engine.model
+    config = model.config
+    experts = [m for n, m in model.named_modules() if ".experts." in n and n.endswith(("w1", "w2", "w3"))]
+    assert experts and all(isinstance(m, MXFP4Linear) for m in experts)
+    moe_layers = config.num_hidden_layers - config.first_k_dense_replace
+    weights = moe_layers * config.num_experts * 3 * config.routed_expert_hidden_size * config.moe_intermediate_size
+    dense_bytes, packed_bytes = routed_expert_bytes(dense.engine.model), routed_expert_bytes(model)
+    assert dense_bytes == 4 * weights and packed_bytes == weights * 17 // 32
+    assert dense_bytes / packed_bytes >= 6
+
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = ["def f(x):", "import os", "class A:\n    pass"]
+    got, want = packed.generate(prompts, greedy), dense.generate(prompts, greedy)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert not any(m.training for m in model.modules())  # the engine serves it in eval mode, without gradients
+    ids = torch.tensor([[3, 70, 101, 9, 250, 44, 12, 0, 200, 17]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, dense.engine.model(ids).logits)
+    with pytest.raises(ValueError, match=r"quantization 'fp8'"):
+        LLM(model=str(packed_folder), quantization="fp8")
+
+
+def test_dense_folders_and_run_folders_are_packed_at_load(ckpt, packed_folder, tmp_path):
+    """A dense model folder or a run folder loaded with quantization='mxfp4' holds the bytes k3 export
+    --quantize mxfp4 writes for the same weights."""
+    import torch
+
+    from k3.hub import export_model, load_pretrained
+
+    dense_folder = export_model(ckpt, tmp_path / "dense", shard_size=20_000)
+    want = load_pretrained(packed_folder, quantization="mxfp4").model.state_dict()
+    for source in (dense_folder, ckpt):
+        got = load_pretrained(source, quantization="mxfp4").model.state_dict()
+        assert got.keys() == want.keys()
+        for name, t in want.items():
+            assert torch.equal(got[name], t), (source, name)
+
+
+def test_cli_generate_with_packed_experts(packed_folder, capsys):
+    argv = ["generate", "--model", str(packed_folder), "--max-tokens", "6", "--temperature", "0", "hello"]
+    assert main(argv) == 0
+    dense = capsys.readouterr()
+    assert main([*argv, "--quantization", "mxfp4"]) == 0
+    packed = capsys.readouterr()
+    assert packed.out == dense.out and packed.out.startswith("hello")
+    assert "routed experts: MXFP4-packed" in packed.err and "7.53x less than fp32" in packed.err
+    assert "routed experts" not in dense.err

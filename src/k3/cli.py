@@ -130,8 +130,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)  # fmt: skip
         budget = None if args.memory_budget is None else int(args.memory_budget * (1 << 20))
-        llm = LLM(args.ckpt, memory_budget=budget, num_pages=args.num_pages, text_only=args.text_only)
+        llm = LLM(args.ckpt, memory_budget=budget, num_pages=args.num_pages, text_only=args.text_only,
+                  quantization=args.quantization)  # fmt: skip
         print(llm.engine.describe(), file=sys.stderr)
+        if args.quantization == "mxfp4":
+            print(_packed_experts_line(llm.engine.model), file=sys.stderr)
         if args.stream:
             print(args.prompt, end="", flush=True)
             for text in llm.stream(args.prompt, params):
@@ -142,6 +145,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except USER_ERRORS as e:
         return _fail("generate", e)
     return 0
+
+
+def _packed_experts_line(model) -> str:
+    from k3.quant import routed_expert_bytes, routed_expert_numel
+
+    packed, fp32 = routed_expert_bytes(model), 4 * routed_expert_numel(model)
+    return (
+        f"routed experts: MXFP4-packed, {packed / (1 << 20):.2f} MiB resident ({fp32 / packed:.2f}x less than "
+        f"fp32's {fp32 / (1 << 20):.2f} MiB)"
+    )
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -293,6 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--text-only",
         action="store_true",
         help="a multimodal model folder: load the language model, skip vision_tower/mm_projector",
+    )
+    gen.add_argument(
+        "--quantization",
+        choices=["mxfp4"],
+        default=None,
+        help="keep the routed experts MXFP4-packed in memory and compute from them (a packed folder's bytes as "
+        "they are, dense weights packed at load); default: dense",
     )
     gen.add_argument("--max-tokens", type=int, default=100)
     gen.add_argument("--temperature", type=float, default=0.8)

@@ -10,6 +10,13 @@ Dtype rule: every floating-point tensor is converted to the model's dtype (`dtyp
 dtype k3 computes in on a CPU); bf16 -> fp32 is exact. MXFP4-packed experts are decoded to that dtype.
 A model folder is read shard by shard and tensor by tensor into a model allocated once, so the memory
 peak is the model plus the tensor being read (plus its partner, for a packed expert weight).
+
+Quantization (`quantization=`, vLLM's keyword): None keeps every weight dense, decoding packed experts as
+above. "mxfp4" keeps the routed experts MXFP4-packed in memory (k3.quant.MXFP4Linear, dequantised per
+expert per forward; 17/32 of a byte per weight): a packed folder's uint8 bytes are copied into the
+packed buffers as they are, never decoded; a dense folder's expert weights are packed one at a time as
+they are read (from the stored values, before any dtype conversion); a run or step folder is loaded
+dense, then packed. The same weights give the same bytes whichever way they come in.
 """
 
 import weakref
@@ -21,9 +28,17 @@ from safetensors import SafetensorError, safe_open
 
 from k3.config import K3Config
 from k3.hub.folder import ModelFolder, ModelFolderError
-from k3.hub.layout import LoadPlan, plan_load
+from k3.hub.layout import EXPERT_WEIGHT, LoadPlan, plan_load
 from k3.model import K3Model
 from k3.model.names import RELEASED_A_LOG_SIZE
+
+QUANTIZATIONS = (None, "mxfp4")  # how routed experts are held in memory: dense, or MXFP4-packed
+
+
+def check_quantization(quantization: str | None) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r}: k3 keeps routed experts dense (None) or MXFP4-packed "
+                         f"('mxfp4')")  # fmt: skip
 
 
 @dataclass
@@ -59,6 +74,7 @@ class Pretrained:
     path: Path  # the folder the weights were read from (a run folder resolves to its newest step)
     kind: str  # "model folder" or "checkpoint"
     skipped: list[str]  # tensors of unbuilt parts skipped with text_only
+    quantization: str | None = None  # "mxfp4": the routed experts are held packed (module docstring)
 
 
 def folder_kind(path: str | Path) -> str:
@@ -90,15 +106,21 @@ def load_model_folder(
     device: str | torch.device = "cpu",
     text_only: bool = False,
     stats: ReadStats | None = None,
+    quantization: str | None = None,
 ) -> tuple[K3Model, LoadPlan]:
     """A K3Model (eval mode) from a model folder. Names, shapes and dtypes of every tensor are checked
-    against the config from the headers first; then tensors are read one at a time into the model."""
-    from k3.quant.mx import unpack_mxfp4
+    against the config from the headers first; then tensors are read one at a time into the model.
+    quantization="mxfp4" keeps the routed experts packed (module docstring)."""
+    from k3.quant import mx
+    from k3.quant.packed_experts import allocate_packed_experts
 
+    check_quantization(quantization)
     folder = ModelFolder.open(path)
     config = K3Config.from_hf(folder.config_dict)
     meta_model, expected = _expected_shapes(config, dtype)
-    plan = plan_load(folder.tensors, expected, text_only=text_only)
+    plan = plan_load(folder.tensors, expected, text_only=text_only)  # against the dense shapes, packed or not
+    if quantization == "mxfp4":
+        allocate_packed_experts(meta_model)
     model = meta_model.to_empty(device=device)  # every entry is overwritten below (plan_load checked)
     own = model.state_dict()
     stats = stats if stats is not None else ReadStats()
@@ -115,6 +137,17 @@ def load_model_folder(
                     if place is None:  # a skipped part: never read
                         continue
                     t = stats.track(handle.get_tensor(name))
+                    if quantization == "mxfp4" and EXPERT_WEIGHT.search(place.target):
+                        base = place.target[: -len("weight")]
+                        if place.kind == "copy":  # a dense expert weight: packed from its stored values
+                            packed, scale = mx.pack_mxfp4(t)
+                            own[base + "weight_packed"].copy_(stats.track(packed))
+                            own[base + "weight_scale"].copy_(stats.track(scale))
+                            del packed, scale
+                        else:  # one half of a packed one: its bytes, as they are
+                            own[base + "weight_" + place.kind].copy_(t)
+                        del t
+                        continue
                     param = own[place.target]
                     if place.kind == "copy":
                         param.copy_(t)
@@ -132,7 +165,7 @@ def load_model_folder(
                             del pending[place.target]
                             # fp64 decodes every E8M0 scale exactly; fp32 all but the top few (~2^127)
                             wide = torch.float64 if param.dtype == torch.float64 else torch.float32
-                            param.copy_(stats.track(unpack_mxfp4(halves["packed"], halves["scale"], wide)))
+                            param.copy_(stats.track(mx.unpack_mxfp4(halves["packed"], halves["scale"], wide)))
                             del halves
                     del t
     if config.tie_word_embeddings:
@@ -146,24 +179,31 @@ def load_pretrained(
     device: str | torch.device = "cpu",
     text_only: bool = False,
     stats: ReadStats | None = None,
+    quantization: str | None = None,
 ) -> Pretrained:
-    """The model (eval mode) of a model folder, a run folder or a step folder."""
+    """The model (eval mode) of a model folder, a run folder or a step folder; quantization="mxfp4" holds
+    its routed experts MXFP4-packed (module docstring)."""
+    from k3.quant.packed_experts import pack_experts
     from k3.train.checkpoint import load_checkpoint
 
+    check_quantization(quantization)
     path = Path(path)
     if folder_kind(path) == "model folder":
-        model, plan = load_model_folder(path, dtype, device, text_only, stats)
+        model, plan = load_model_folder(path, dtype, device, text_only, stats, quantization)
         tokenizer = path / "tokenizer.json"
         return Pretrained(model, model.config, tokenizer if tokenizer.exists() else None, path, "model folder",
-                          plan.skipped)  # fmt: skip
+                          plan.skipped, quantization)  # fmt: skip
     ckpt = load_checkpoint(path)
     config = ckpt.config
     with torch.device(device):
         model = K3Model(config)
     ckpt.load_model(model)
+    if quantization == "mxfp4":  # model.safetensors is read whole anyway: dense, then packed (stored values)
+        pack_experts(model)
+    model = model.to(dtype).eval()
     tokenizer = ckpt.path.parent / ckpt.state.get("tokenizer", "tokenizer.json")
-    return Pretrained(model.to(dtype).eval(), config, tokenizer if tokenizer.exists() else None, ckpt.path,
-                      "checkpoint", [])  # fmt: skip
+    return Pretrained(model, config, tokenizer if tokenizer.exists() else None, ckpt.path, "checkpoint", [],
+                      quantization)  # fmt: skip
 
 
 def load_tokenizer(pretrained: Pretrained):
@@ -181,8 +221,12 @@ def load_tokenizer(pretrained: Pretrained):
 
 
 def load_for_inference(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, text_only: bool = False
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    text_only: bool = False,
+    quantization: str | None = None,
 ):
     """(model in eval mode, tokenizer) from a model folder, a run folder or a step folder."""
-    pretrained = load_pretrained(path, dtype=dtype, device=device, text_only=text_only)
+    pretrained = load_pretrained(path, dtype=dtype, device=device, text_only=text_only, quantization=quantization)
     return pretrained.model, load_tokenizer(pretrained)

@@ -16,8 +16,10 @@ from k3.quant.mx import (
 from k3.quant.packed_experts import (
     MXFP4Linear,
     PackedExpertTrainingError,
+    allocate_packed_experts,
     pack_experts,
     routed_expert_bytes,
+    routed_expert_numel,
     unpack_experts,
 )
 
@@ -29,6 +31,7 @@ __all__ = [
     "ElementFormat",
     "MXFP4Linear",
     "PackedExpertTrainingError",
+    "allocate_packed_experts",
     "check_packed_mxfp4",
     "dequantize_mx",
     "fake_quantize_mx",
@@ -36,6 +39,7 @@ __all__ = [
     "pack_mxfp4",
     "quantize_mx",
     "routed_expert_bytes",
+    "routed_expert_numel",
     "unpack_experts",
     "unpack_mxfp4",
 ]

@@ -9,6 +9,10 @@ weight drop from 4·out·in (fp32) to out·in/2 + out·in/32, 128/17 ≈ 7.5× l
 Packed experts are inference-only: their weights are buffers, not parameters, and a forward in training
 mode with gradients enabled raises PackedExpertTrainingError. `unpack_experts(model)` turns them back into
 trainable nn.Linear layers holding the dequantised weights.
+
+A loader that reads packed bytes (k3.hub, `quantization="mxfp4"`) calls `allocate_packed_experts(model)` on a
+meta-device model first: the experts become empty MXFP4Linear slots of the packed shapes, and the folder's
+bytes are copied into them, so no dense expert weight ever exists.
 """
 
 import torch
@@ -36,6 +40,14 @@ class MXFP4Linear(nn.Module):
         self.register_buffer("weight_scale", weight_scale)
         # An empty float buffer, not saved, carries the dequantisation dtype and device through .to()/.double().
         self.register_buffer("dequant_like", torch.empty(0, dtype=dtype, device=weight_packed.device), persistent=False)
+
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, dtype: torch.dtype = torch.float32,
+              device: str | torch.device | None = None) -> "MXFP4Linear":  # fmt: skip
+        """Uninitialised buffers for an (out_features, in_features) weight, for a loader to fill."""
+        packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device)
+        scale = torch.empty(out_features, in_features // BLOCK_SIZE, dtype=torch.uint8, device=device)
+        return cls(packed, scale, dtype)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "MXFP4Linear":
@@ -95,11 +107,13 @@ def routed_expert_bytes(model: nn.Module) -> int:
     return sum(_nbytes(layer) for *_, layer in _routed_projections(model))
 
 
-@torch.no_grad()
-def pack_experts(model: nn.Module) -> int:
-    """Pack every routed expert projection of `model` (a K3Model, or any module holding LatentMoEs) to
-    MXFP4 in place; already packed ones are left as they are. Returns the bytes saved. All layers are
-    checked before any is replaced, so a model that cannot be packed is left untouched."""
+def routed_expert_numel(model: nn.Module) -> int:
+    """Weights (out·in summed) of the routed experts of `model`, packed or not: 4× this is their fp32 size."""
+    return sum(layer.out_features * layer.in_features for *_, layer in _routed_projections(model))
+
+
+def _dense_packable(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
+    """The routed expert projections not packed yet, each checked to be packable (before any is changed)."""
     todo = [(name, expert, attr, layer) for name, expert, attr, layer in _routed_projections(model)
             if not isinstance(layer, MXFP4Linear)]  # fmt: skip
     for name, _, _, layer in todo:
@@ -108,6 +122,27 @@ def pack_experts(model: nn.Module) -> int:
         if layer.in_features % BLOCK_SIZE:
             raise ValueError(f"{name}: in_features {layer.in_features} is not a multiple of the MXFP4 block "
                              f"size {BLOCK_SIZE}, so this model's experts cannot be packed")  # fmt: skip
+    return todo
+
+
+def allocate_packed_experts(model: nn.Module) -> int:
+    """Replace every dense routed expert projection of `model` with an empty MXFP4Linear of its shape, on
+    the device of its weight and in its dtype (on the meta device: no memory), for a loader to fill with
+    packed bytes. The dense weights' values are discarded. Returns the number of projections replaced."""
+    todo = _dense_packable(model)
+    for _, expert, attr, layer in todo:
+        slot = MXFP4Linear.empty(layer.out_features, layer.in_features, layer.weight.dtype, layer.weight.device)
+        slot.train(layer.training)
+        setattr(expert, attr, slot)
+    return len(todo)
+
+
+@torch.no_grad()
+def pack_experts(model: nn.Module) -> int:
+    """Pack every routed expert projection of `model` (a K3Model, or any module holding LatentMoEs) to
+    MXFP4 in place; already packed ones are left as they are. Returns the bytes saved. All layers are
+    checked before any is replaced, so a model that cannot be packed is left untouched."""
+    todo = _dense_packable(model)
     saved = 0
     for _, expert, attr, layer in todo:
         packed = MXFP4Linear.from_linear(layer)

@@ -29,25 +29,30 @@ class LLM:
 
     memory_budget: bytes for the page pool (default 256 MiB), or num_pages: its size in pages.
     text_only: load a multimodal folder's language model, skipping the vision tower and projector.
-    dtype: the model's dtype (float32 by default; folder tensors are converted to it). Other keywords go
-    to SchedulerConfig. `ckpt=` is the older keyword for the path.
+    dtype: the model's dtype (float32 by default; folder tensors are converted to it).
+    quantization: None (default) holds every weight dense, decoding MXFP4-packed experts at load; "mxfp4"
+    keeps the routed experts packed in memory and computes from them (a packed folder's bytes as they are;
+    dense weights packed at load), 128/17 ≈ 7.5x fewer resident expert bytes than fp32.
+    Other keywords go to SchedulerConfig. `ckpt=` is the older keyword for the path.
     """
 
     def __init__(self, model: str | Path | None = None, memory_budget: int | None = None,
                  num_pages: int | None = None, enable_prefix_caching: bool = True, device: str = "cpu",
-                 text_only: bool = False, dtype: torch.dtype = torch.float32, ckpt: str | Path | None = None,
-                 **scheduler_kwargs):  # fmt: skip
+                 text_only: bool = False, dtype: torch.dtype = torch.float32, quantization: str | None = None,
+                 ckpt: str | Path | None = None, **scheduler_kwargs):  # fmt: skip
         from k3.hub import load_for_inference
+        from k3.hub.load import check_quantization
 
         if (model is None) == (ckpt is None):
             raise TypeError("LLM takes one model path: LLM(path), LLM(model=path) or LLM(ckpt=path)")
+        check_quantization(quantization)  # before the scheduler's keywords and the (long) load
         if memory_budget is None and num_pages is None:
             memory_budget = 256 << 20
         config = EngineConfig(memory_budget=memory_budget, num_pages=num_pages,
                               enable_prefix_caching=enable_prefix_caching,
                               scheduler=SchedulerConfig(**scheduler_kwargs))  # fmt: skip
         weights, self.tokenizer = load_for_inference(model if ckpt is None else ckpt, device=device, dtype=dtype,
-                                                     text_only=text_only)  # fmt: skip
+                                                     text_only=text_only, quantization=quantization)  # fmt: skip
         self.engine = LLMEngine(weights, self.tokenizer, config)
 
     def generate(self, prompts: str | list[str] | list[list[int]],
