@@ -68,6 +68,7 @@ def test_export_round_trip_is_bitwise(run, tmp_path, prefix):
     config = json.loads((out / "config.json").read_text())
     arch = "KimiK3ForConditionalGeneration" if prefix == "language_model" else "KimiK3ForCausalLM"
     assert config["architectures"] == [arch] and "quantization_config" not in config["text_config"]
+    assert config["text_config"]["dtype"] == "float32" and {i.dtype for i in info.values()} == {"F32"}
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 0  # <|endoftext|>
     assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -85,6 +86,7 @@ def test_mxfp4_export_equals_the_model_with_dequantised_experts(run, tmp_path):
     assert quant["format"] == "mxfp4-pack-quantized" and quant["quant_method"] == "compressed-tensors"
     assert quant["config_groups"]["group_0"]["weights"]["group_size"] == 32
     assert quant["config_groups"]["group_0"]["input_activations"] is None
+    assert config["text_config"]["dtype"] == "float32"  # the dense tensors beside the packed uint8 experts
     key = "language_model.model.layers.1.block_sparse_moe.experts.5.w2"
     with safe_open(out / "model.safetensors", "pt") as f:
         assert key + ".weight" not in set(f.keys())
@@ -100,6 +102,27 @@ def test_mxfp4_export_equals_the_model_with_dequantised_experts(run, tmp_path):
     assert torch.equal(logits(loaded), logits(source))
     w2 = "model.layers.1.block_sparse_moe.experts.5.w2.weight"
     assert not torch.equal(expected[w2], load_pretrained(run).model.state_dict()[w2])  # MXFP4 did change it
+
+
+def test_config_dtype_names_the_tensors_written(run):
+    """config.json's dtype is the floating dtype that holds most of the written bytes (HF's meaning: what the
+    weights are stored in), not the release's bfloat16 copied from K3Config.to_hf()."""
+    from k3.hub.export import release_config, release_tensors, weights_dtype
+
+    model = load_pretrained(run).model
+    config = model.config
+    assert config.to_hf()["text_config"]["dtype"] == "bfloat16"
+    for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
+        state = {k: (v if k.endswith((".A_log", ".dt_bias")) else v.to(dtype)) for k, v in model.state_dict().items()}
+        tensors = release_tensors(state, config, quantize="mxfp4")
+        assert weights_dtype(tensors) == dtype  # the fp32 A_log/dt_bias (as in the release) do not decide it
+        assert release_config(config, "model", "mxfp4", None, dtype)["text_config"]["dtype"] == name
+    # a config read from a file that also names the dtype at the top level (either HF spelling) gets both set
+    read = config.from_hf({**config.to_hf(), "torch_dtype": "bfloat16"})
+    written = release_config(read, "language_model", None, None, torch.float32)
+    assert written["torch_dtype"] == written["text_config"]["dtype"] == "float32"
+    with pytest.raises(ModelFolderError, match="no floating-point tensor"):
+        weights_dtype({"x": torch.zeros(2, dtype=torch.uint8)})
 
 
 def test_parse_size():

@@ -1,7 +1,8 @@
 """`k3 export`: a model folder in the release layout (SPEC §1) from a run, step or model folder.
 
-    config.json                  K3Config.to_hf() (official nesting) with the top-level architecture;
-                                 with MXFP4, the release's quantization_config inside text_config
+    config.json                  K3Config.to_hf() (official nesting) with the top-level architecture and
+                                 the dtype of the tensors written; with MXFP4, the release's
+                                 quantization_config inside text_config
     model.safetensors            or model-0000i-of-0000N.safetensors + model.safetensors.index.json
     generation_config.json       eos / pad / bos token ids
     tokenizer.json               the run's byte-level BPE, and tokenizer_config.json for HF loaders
@@ -94,10 +95,26 @@ def shard(tensors: dict[str, torch.Tensor], shard_size: int) -> list[dict[str, t
     return shards
 
 
-def release_config(config: K3Config, prefix: str, quantize: str | None, eos_id: int | None) -> dict[str, Any]:
-    """config.json: K3Config.to_hf() (the official nesting) with the architecture of the chosen layout and
-    the quantization_config that matches the tensors written: the release's for MXFP4 experts (placed where
-    to_hf places it: inside text_config for a config made in k3), none for dense ones."""
+def weights_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    """The floating-point dtype holding most of the bytes of `tensors`: what config.json's `dtype` names (the
+    release is bf16 with a few small fp32 tensors, A_log and dt_bias; packed uint8 experts are not counted)."""
+    size: dict[torch.dtype, int] = {}
+    for t in tensors.values():
+        if t.is_floating_point():
+            size[t.dtype] = size.get(t.dtype, 0) + t.numel() * t.element_size()
+    if not size:
+        raise ModelFolderError("no floating-point tensor to export: config.json's dtype would name nothing")
+    return max(size, key=size.get)
+
+
+def release_config(
+    config: K3Config, prefix: str, quantize: str | None, eos_id: int | None, dtype: torch.dtype
+) -> dict[str, Any]:
+    """config.json: K3Config.to_hf() (the official nesting) with the architecture of the chosen layout, the
+    `dtype` of the tensors written (`weights_dtype`; to_hf carries the release's bfloat16, which would tell
+    a loader the wrong storage for k3's fp32 weights) and the quantization_config that matches them: the
+    release's for MXFP4 experts (placed where to_hf places it: inside text_config for a config made in k3),
+    none for dense ones."""
     config = replace(config, quantization_config=mxfp4_quantization_config() if quantize == "mxfp4" else None)
     if config.eos_token_id is None and eos_id is not None:
         config = replace(config, eos_token_id=eos_id)
@@ -105,6 +122,12 @@ def release_config(config: K3Config, prefix: str, quantize: str | None, eos_id: 
     top["architectures"] = [ARCHITECTURES[prefix]]
     top.setdefault("model_type", MODEL_TYPE)
     text = top.get("text_config", top)
+    name = str(dtype).removeprefix("torch.")
+    text["dtype"] = name
+    for key in ("dtype", "torch_dtype"):  # transformers' spellings, new and old, where a read config had them
+        for section in (top, text):
+            if key in section:
+                section[key] = name
     # Read by public converters (llama.cpp's among them); k3 computes exactly these.
     text.setdefault("num_key_value_heads", config.num_attention_heads)
     text.setdefault("moe_router_activation_func", "sigmoid")
@@ -212,5 +235,5 @@ def export_model(
     pretrained = load_pretrained(source)
     eos = K3Tokenizer.load(pretrained.tokenizer_path).eos_id if pretrained.tokenizer_path else None
     tensors = release_tensors(pretrained.model.state_dict(), pretrained.config, prefix, quantize)
-    config_json = release_config(pretrained.config, prefix, quantize, eos)
+    config_json = release_config(pretrained.config, prefix, quantize, eos, weights_dtype(tensors))
     return write_model_folder(tensors, config_json, out, pretrained.tokenizer_path, shard_size, force)
