@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from k3.cli import main
+from k3.train.checkpoint import CheckpointError
 
 TRAIN = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "400", "--eval-every", "4",
          "--eval-batches", "2", "--warmup", "2", "--no-progress"]  # fmt: skip
@@ -69,6 +70,50 @@ def test_resume_refuses_a_different_config_and_a_fresh_run_refuses_old_checkpoin
     assert "no checkpoint to resume" in capsys.readouterr().err
     assert main(["train", *TRAIN, "--steps", "0", "--out", str(tmp_path / "x")]) == 2
     assert "--steps must be at least 1" in capsys.readouterr().err
+
+
+def test_resume_keeps_the_config_its_run_recorded_when_k3s_defaults_changed(tmp_path, corpus, monkeypatch):
+    """A run started when the tiny preset said rms_norm_eps=1e-6 (k3's old default) resumes under 1e-6 now
+    that the preset says 1e-5, and its next step's loss is the one the unbroken 1e-6 run computed."""
+    import shutil
+
+    from k3.config import PRESETS
+    from k3.train.tokenizer import byte_tokenizer
+    from k3.train.trainer import TrainArgs, Trainer
+
+    def args(out: Path, **kw) -> TrainArgs:
+        return TrainArgs(out=str(out), preset="tiny", steps=3, ckpt_every=2, keep_last=5, batch_size=2, seq_len=16,
+                         vocab_size=300, eval_every=100, eval_batches=1, warmup=1, data=str(corpus), progress=False,
+                         **kw)  # fmt: skip
+
+    with monkeypatch.context() as old_k3:
+        old_k3.setitem(PRESETS, "tiny", {**PRESETS["tiny"], "rms_norm_eps": 1e-6})
+        unbroken = tmp_path / "unbroken"
+        Trainer(args(unbroken), log=lambda *a: None).train()  # checkpoints at steps 2 and 3
+    assert json.loads((unbroken / "step_00000002" / "meta.json").read_text())["config"]["text_config"][
+        "rms_norm_eps"] == 1e-6  # fmt: skip
+    run = tmp_path / "run"
+    shutil.copytree(unbroken, run)
+    shutil.rmtree(run / "step_00000003")  # as if the old run had stopped after step 2
+
+    logged = []
+    trainer = Trainer(args(run, resume=True), log=logged.append)
+    assert trainer.config.rms_norm_eps == 1e-6 and trainer.step == 2
+    assert any("rms_norm_eps: 1e-06 != 1e-05" in line and "recorded" in line for line in logged)
+    trainer.train()
+    assert losses(run)[3] == losses(unbroken)[3]  # bitwise
+    assert json.loads((run / "step_00000003" / "meta.json").read_text())["config"]["text_config"][
+        "rms_norm_eps"] == 1e-6  # fmt: skip
+
+    # the same preset with a replaced tokenizer cannot fit the recorded vocabulary
+    tokenizer = (run / "tokenizer.json").read_bytes()
+    byte_tokenizer().save(run / "tokenizer.json")
+    with pytest.raises(CheckpointError, match=r"vocabulary of 300 tokens, the run's tokenizer.json 261"):
+        Trainer(args(run, resume=True), log=lambda *a: None)
+    (run / "tokenizer.json").write_bytes(tokenizer)
+    # a different preset asked for now is still another model: refused, naming the fields
+    with pytest.raises(CheckpointError, match=r"trained with another configuration: .*hidden_size: 64 != 256"):
+        Trainer(TrainArgs(**{**args(run, resume=True).__dict__, "preset": "small"}), log=lambda *a: None)
 
 
 def test_init_then_generate(tmp_path, capsys):

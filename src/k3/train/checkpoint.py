@@ -230,22 +230,3 @@ def config_diff(a: K3Config, b: K3Config) -> list[str]:
     """Fields where two configs differ, as 'name: a != b'."""
     da, db = a.to_dict(), b.to_dict()
     return [f"{k}: {da[k]!r} != {db[k]!r}" for k in da if k != "extra_hf" and da[k] != db[k]]
-
-
-def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
-    """(model in eval mode, tokenizer) from a checkpoint folder or a run folder."""
-    from k3.model import K3Model
-    from k3.train.tokenizer import K3Tokenizer
-
-    ckpt = load_checkpoint(path)
-    tokenizer_path = ckpt.path.parent / ckpt.state.get("tokenizer", "tokenizer.json")
-    if not tokenizer_path.exists():
-        raise CheckpointError(f"{tokenizer_path}: the tokenizer of {ckpt.path} is missing")
-    tokenizer = K3Tokenizer.load(tokenizer_path)
-    config = ckpt.config
-    if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens, the model only {config.vocab_size}")
-    with torch.device(device):
-        model = K3Model(config)
-    ckpt.load_model(model)
-    return model.eval(), tokenizer

@@ -3,9 +3,10 @@ accumulation, warmup + cosine/WSD schedule, clipping, periodic validation, a met
 checkpoints and exact resume.
 
 A run lives in one folder: tokenizer.json, the packed token streams (*.npy), metrics.jsonl and
-step_XXXXXXXX/ checkpoints. `--resume` continues from the newest checkpoint and produces the same
-losses as an unbroken run (bitwise on CPU). `--init-from` starts a new run from the weights, config and
-tokenizer of a run, step or model folder (k3.hub loads it) instead of a preset's random init.
+step_XXXXXXXX/ checkpoints. `--resume` continues from the newest checkpoint, under the configuration it
+recorded, and produces the same losses as an unbroken run (bitwise on CPU). `--init-from` starts a new
+run from the weights, config and tokenizer of a run, step or model folder (k3.hub loads it) instead of a
+preset's random init.
 """
 
 import contextlib
@@ -113,13 +114,10 @@ class Trainer:
 
         if pretrained is not None:
             self.config = pretrained.config
-        elif args.init_from is not None and ckpt is not None:
-            self.config = ckpt.config  # the run started from another model's config; its checkpoint has it
+        elif ckpt is not None:
+            self.config = self._resumed_config(ckpt)
         else:
             self.config = K3Config.from_preset(args.preset, vocab_size=self.tokenizer.vocab_size)
-        if ckpt is not None and ckpt.config != self.config:
-            raise CheckpointError(f"{ckpt.path} was trained with another configuration: " + "; ".join(
-                config_diff(ckpt.config, self.config)))  # fmt: skip
         torch.manual_seed(args.seed)
         self.model = (K3Model(self.config) if pretrained is None else pretrained.model.train()).to(self.device)
         self.optimizer = build_optimizer(self.model, lr=args.lr, weight_decay=args.weight_decay)
@@ -131,6 +129,34 @@ class Trainer:
         self.step, self.position = 0, 0
         if ckpt is not None:
             self._restore(ckpt)
+
+    def _resumed_config(self, ckpt) -> K3Config:
+        """--resume continues the model its run folder recorded, under that configuration.
+
+        The flags that choose a configuration are --preset (by name) and --vocab-size (through the run's
+        tokenizer, which a resumed run reuses). When the preset named now is the one the run started with,
+        a difference between the recorded config and what that preset gives today comes from k3's
+        defaults changing (rms_norm_eps 1e-6 -> 1e-5), not from the user: the recorded config is kept and
+        the difference logged; only the vocabulary must match the tokenizer. Another preset, or a run that
+        did not record one, is compared field by field as a request for that model, and refused if it
+        differs. A run started from --init-from has no preset: its checkpoint's config is the model's."""
+        recorded = ckpt.config
+        if self.args.init_from is not None:
+            return recorded
+        now = K3Config.from_preset(self.args.preset, vocab_size=self.tokenizer.vocab_size)
+        started = ckpt.state.get("args", {}).get("preset") or ckpt.state.get("init", {}).get("preset")
+        diff = config_diff(recorded, now)
+        if started != self.args.preset:
+            if diff:
+                raise CheckpointError(f"{ckpt.path} was trained with another configuration: " + "; ".join(diff))
+            return recorded
+        if recorded.vocab_size != self.tokenizer.vocab_size:
+            raise CheckpointError(f"{ckpt.path} has a vocabulary of {recorded.vocab_size} tokens, the run's "
+                                  f"tokenizer.json {self.tokenizer.vocab_size}: it was replaced")  # fmt: skip
+        if diff:
+            self.log(f"resuming with the configuration {ckpt.path} recorded; the {self.args.preset} preset now "
+                     f"differs (recorded != now): " + "; ".join(diff))  # fmt: skip
+        return recorded
 
     def _init_source(self, path: str, text_only: bool):
         """--init-from: weights, config and tokenizer of a run, step or model folder; the tokenizer is copied
