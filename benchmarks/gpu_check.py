@@ -41,6 +41,19 @@ LIMITS = {("fla", torch.float32): 5e-3, ("torch", torch.float32): 1e-4}
 BF16_LIMIT = 3e-2
 
 
+T0 = time.monotonic()
+CHECKS: list[dict] = []
+
+
+def emit(row: dict) -> dict:
+    """Record a check's row and print it at once: on a lent GPU whatever finished before a time limit
+    must already be on the screen."""
+    CHECKS.append(row)
+    print(f"{row['check']:<7} {row['case']:<45} {row['backend']:<6} {row['dtype']:<9} err {row['err']:.2e} "
+          f"{'ok' if row['ok'] else 'FAIL'}  ({time.monotonic() - T0:.0f} s)", flush=True)  # fmt: skip
+    return row
+
+
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -73,8 +86,7 @@ def run_op(inputs, backend, cu):
     return [o, S, *(x.grad for x in leaves)]
 
 
-def check_op(device, backends, dtypes, sizes) -> list[dict]:
-    rows = []
+def check_op(device, backends, dtypes, sizes) -> None:
     for name, B, T, H, HV, cu in sizes:
         N = B if cu is None else len(cu) - 1
         cpu = op_inputs(B, T, H, 128 if device == "cuda" else 16, HV, N)
@@ -85,17 +97,15 @@ def check_op(device, backends, dtypes, sizes) -> list[dict]:
                 dev = [x.to(device, dtype if i < 5 else torch.float32) for i, x in enumerate(cpu)]
                 got = run_op(dev, backend, None if cu is None else torch.tensor(cu, device=device))
                 err = max(rel(a, b) for a, b in zip(got, ref, strict=True))
-                rows.append(dict(check="op", case=f"{name} T={T}", backend=backend, dtype=str(dtype)[6:], err=err,
+                emit(dict(check="op", case=f"{name} T={T}", backend=backend, dtype=str(dtype)[6:], err=err,
                                  limit=limit(backend, dtype), ok=err < limit(backend, dtype)))  # fmt: skip
-    return rows
 
 
-def check_decode(device, backends) -> list[dict]:
+def check_decode(device, backends) -> None:
     B, T, H, K = 4, 16, 4, 128 if device == "cuda" else 16
     q, k, v, g, beta, A_log, dt_bias, h0 = op_inputs(B, T, H, K, None, B, seed=3)
     ref_o, ref_S = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, A_log=A_log,
                              dt_bias=dt_bias, **FLAGS)  # fmt: skip
-    rows = []
     for backend in backends:
         qkv = torch.cat([x.reshape(B, T, H * K) for x in (q, k, v)], dim=-1).float().to(device)
         q1, k1, v1 = (x.reshape(B, T, H, K) for x in qkv.split(H * K, dim=-1))  # views, as the layer has them
@@ -114,9 +124,8 @@ def check_decode(device, backends) -> list[dict]:
         err = max(rel(torch.cat(outs, dim=1), ref_o), rel(pool[idx], ref_S))
         others = [i for i in range(9) if i not in idx.tolist()]
         untouched = torch.equal(pool[others], before[others])
-        rows.append(dict(check="decode", case=f"B={B} pool rows, {T} steps", backend=backend, dtype="float32", err=err,
+        emit(dict(check="decode", case=f"B={B} pool rows, {T} steps", backend=backend, dtype="float32", err=err,
                          limit=5e-3, ok=err < 5e-3 and untouched))  # fmt: skip
-    return rows
 
 
 def tiny_model(vocab: int) -> K3Model:
@@ -129,7 +138,7 @@ def tiny_model(vocab: int) -> K3Model:
     return model
 
 
-def check_model(device, backends) -> list[dict]:
+def check_model(device, backends) -> None:
     ref_model = tiny_model(512)
     tokens = torch.randint(0, 512, (2, 150), generator=torch.Generator().manual_seed(1))
 
@@ -141,7 +150,6 @@ def check_model(device, backends) -> list[dict]:
 
     copies = {backend: copy.deepcopy(ref_model).float().to(device) for backend in backends}
     ref_logits, ref_grads = step(ref_model, tokens)
-    rows = []
     for backend in backends:
         os.environ[ENV_VAR] = backend
         try:
@@ -152,14 +160,13 @@ def check_model(device, backends) -> list[dict]:
         err_logits = rel(logits, ref_logits)
         err_grads = max(rel(grads[n], ref_grads[n]) for n in ref_grads)
         lim = limit(backend, torch.float32)
-        rows.append(dict(check="model", case="tiny logits", backend=backend, dtype="float32", err=err_logits,
+        emit(dict(check="model", case="tiny logits", backend=backend, dtype="float32", err=err_logits,
                          limit=lim, ok=err_logits < lim))  # fmt: skip
-        rows.append(dict(check="model", case="tiny train-step grads", backend=backend, dtype="float32",
+        emit(dict(check="model", case="tiny train-step grads", backend=backend, dtype="float32",
                          err=err_grads, limit=10 * lim, ok=err_grads < 10 * lim))  # fmt: skip
-    return rows
 
 
-def check_engine(device) -> list[dict]:
+def check_engine(device) -> None:
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.sampling import SamplingParams
     from k3.train.tokenizer import byte_tokenizer
@@ -185,12 +192,10 @@ def check_engine(device) -> list[dict]:
         dev_tokens, _ = run(copy.deepcopy(model).to(device))
         bf16_tokens, bf16_states = run(copy.deepcopy(model).to(device, torch.bfloat16))
     same = sum(a == b for a, b in zip(bf16_tokens, cpu_tokens, strict=True))
-    return [
-        dict(check="engine", case="greedy tokens vs CPU engine", backend="auto", dtype="float32",
-             err=float(dev_tokens != cpu_tokens), limit=0.5, ok=dev_tokens == cpu_tokens),
-        dict(check="engine", case=f"bf16 runs, states {str(bf16_states)[6:]}, {same}/{len(prompts)} same as fp32",
-             backend="auto", dtype="bfloat16", err=0.0, limit=0.5, ok=bf16_states == torch.float32),
-    ]  # fmt: skip
+    emit(dict(check="engine", case="greedy tokens vs CPU engine", backend="auto", dtype="float32",
+              err=float(dev_tokens != cpu_tokens), limit=0.5, ok=dev_tokens == cpu_tokens))  # fmt: skip
+    emit(dict(check="engine", case=f"bf16 runs, states {str(bf16_states)[6:]}, {same}/{len(prompts)} same as fp32",
+              backend="auto", dtype="bfloat16", err=0.0, limit=0.5, ok=bf16_states == torch.float32))  # fmt: skip
 
 
 def bench(fn, device, repeats=10) -> float:
@@ -246,6 +251,7 @@ def timings(device, backends, lengths, deadline) -> list[dict]:
             row["torch/fla fwd"] = row["torch fwd ms"] / row["fla fwd ms"]
             row["torch/fla fwd+bwd"] = row["torch fwd+bwd ms"] / row["fla fwd+bwd ms"]
         rows.append(row)
+        print("timing", {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -274,10 +280,10 @@ def markdown(checks, times, header) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="run the same code on the CPU at tiny sizes (torch path)")
+    ap.add_argument("--quick", action="store_true", help="fp32 equal-length op check and T = 4K, 16K timings only")
     ap.add_argument("--out", type=Path, help="write gpu_check.json and gpu_check.md here")
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting new timings after this many seconds")
     args = ap.parse_args()
-    t0 = time.monotonic()
     if args.dry_run:
         device, backends = "cpu", ["torch"]
         sizes = [("equal", 2, 70, 2, None, None), ("packed", 1, 90, 2, None, [0, 7, 40, 90]),
@@ -292,34 +298,32 @@ def main() -> int:
         sizes = [("equal", 2, 1000, 4, None, None), ("packed", 1, 2500, 4, None, [0, 300, 1000, 2500]),
                  ("gva", 1, 700, 2, 4, None)]  # fmt: skip
         lengths = [4096, 16384, 65536]
+    dtypes = [torch.float32, torch.bfloat16]
+    if args.quick:
+        sizes, dtypes, lengths = sizes[:1], dtypes[:1], lengths[:2]
     name = torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu"
     header = (f"{datetime.date.today()}, {name}, torch {torch.__version__}, fla {fla_version()} "
               f"({'kernels' if 'fla' in backends else 'not used'}), python {platform.python_version()}")  # fmt: skip
     print(header, flush=True)
-    checks = []
-    for label, fn in [("op", lambda: check_op(device, backends, [torch.float32, torch.bfloat16], sizes)),
-                      ("decode", lambda: check_decode(device, backends)),
+    # the recurrent kernel first: it compiles fastest and carries the in-place decode contract
+    for label, fn in [("decode", lambda: check_decode(device, backends)),
+                      ("op", lambda: check_op(device, backends, dtypes, sizes)),
                       ("model", lambda: check_model(device, backends)),
                       ("engine", lambda: check_engine(device))]:  # fmt: skip
         try:
-            rows = fn()
+            fn()
         except Exception as error:  # report and go on: one broken check must not hide the others
-            rows = [dict(check=label, case=f"raised {type(error).__name__}: {error}"[:200], backend="-", dtype="-",
-                         err=float("nan"), limit=0.0, ok=False)]  # fmt: skip
-        checks += rows
-        for r in rows:
-            print(f"{r['check']:<7} {r['case']:<45} {r['backend']:<6} {r['dtype']:<9} err {r['err']:.2e} "
-                  f"{'ok' if r['ok'] else 'FAIL'}  ({time.monotonic() - t0:.0f} s)", flush=True)  # fmt: skip
-    times = timings(device, backends, lengths, t0 + args.budget_s)
-    table = markdown(checks, times, header)
+            emit(dict(check=label, case=f"raised {type(error).__name__}: {error}"[:200], backend="-", dtype="-",
+                      err=float("nan"), limit=0.0, ok=False))  # fmt: skip
+    times = timings(device, backends, lengths, T0 + args.budget_s)
+    table = markdown(CHECKS, times, header)
     print("\n" + table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_check.json").write_text(
-            json.dumps(dict(header=header, checks=checks, timings=times), indent=1)
-        )
+        report = dict(header=header, checks=CHECKS, timings=times)
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
         (args.out / "gpu_check.md").write_text(table + "\n")
-    return 0 if all(r["ok"] for r in checks) else 1
+    return 0 if all(r["ok"] for r in CHECKS) else 1
 
 
 if __name__ == "__main__":

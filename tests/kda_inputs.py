@@ -37,9 +37,10 @@ def grads_of(fn, tensors, seed=2):
     """Run fn(*tensors) -> (o, state), backprop random cotangents, return (o, state, grads)."""
     leaves = [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
     o, S = fn(*leaves)
-    gen = torch.Generator().manual_seed(seed)  # cotangents drawn on the CPU (the same on every device), then moved
-    loss = (o * torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)).sum()
+    # cotangents drawn in fp64 on the CPU, then cast and moved: the same values for every dtype and device
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype)).sum()
     if S is not None:
-        loss = loss + (S * torch.randn(S.shape, generator=gen, dtype=S.dtype).to(S.device)).sum()
+        loss = loss + (S * torch.randn(S.shape, generator=gen, dtype=torch.float64).to(S.device, S.dtype)).sum()
     loss.backward()
     return o.detach(), None if S is None else S.detach(), [None if t is None else t.grad for t in leaves]

