@@ -43,9 +43,9 @@ def test_cli_generate_uses_the_engine(ckpt, capsys):
     assert capsys.readouterr().out == plain and plain.startswith("hello")
     assert main(["generate", "--ckpt", str(ckpt), "--top-p", "2", "hello"]) == 2
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
-    # the pool sized in pages instead of bytes: its capacity is printed at start-up; too small says why
+    # the pool sized in pages instead of bytes: --verbose prints its capacity at start-up; too small says why
     assert main(["generate", "--ckpt", str(ckpt), "--max-tokens", "5", "--temperature", "0", "--num-pages", "40",
-                 "hello"]) == 0  # fmt: skip
+                 "--verbose", "hello"]) == 0  # fmt: skip
     out = capsys.readouterr()
     assert out.out == plain and "page pool: 40 pages" in out.err
     assert main(["generate", "--ckpt", str(ckpt), "--num-pages", "2", "hello"]) == 2

@@ -70,6 +70,14 @@ QUICKSTART_STEPS = 120
 USER_ERRORS = (ValueError, FileNotFoundError)  # ConfigError, CheckpointError, CorpusError are ValueErrors
 
 
+def next_generate(run: str | Path) -> str:
+    """The `k3 generate` line suggested after training: bash's $'...' quoting, so that the prompt holds a real
+    newline rather than a backslash and an n; the run folder quoted for the shell."""
+    import shlex
+
+    return f"k3 generate --ckpt {shlex.quote(str(run))} --max-tokens 200 --stream $'import os\\n'"
+
+
 def _fail(command: str, error: Exception) -> int:
     print(f"k3 {command}: {error}", file=sys.stderr)
     return 2
@@ -119,32 +127,137 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopped by Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader went away (`k3 generate … | head -1`)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Continue a prompt with a checkpoint, through the serving engine."""
+    mid_line = [False]  # a streamed line is unfinished on the terminal: Ctrl-C's message starts a new one
+    try:
+        return _generate(args, mid_line)
+    except KeyboardInterrupt:
+        print(("\n" if mid_line[0] else "") + "k3 generate: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout closed it early. Python ignores SIGPIPE and raises BrokenPipeError instead; the
+    remedy its docs give: point stdout at /dev/null, so the flush at exit does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file descriptor (captured in a test): nothing to flush
+        pass
+    return EXIT_BROKEN_PIPE
+
+
+def _generate(args: argparse.Namespace, mid_line: list[bool]) -> int:
     from k3.serve.llm import LLM
     from k3.serve.sampling import SamplingParams
 
     try:
-        if not args.prompt:
-            raise ValueError("the prompt is empty")
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                                seed=args.seed)  # fmt: skip
+        prompt = _read_prompt(args.prompt)
+        if args.n < 1:
+            raise ValueError(f"-n {args.n}: the number of completions is at least 1")
+        device = _device(args.device)
+        _check_context(args.ckpt, prompt, args.max_tokens, args.max_model_len)  # before the weights are read
+        # one request per completion; a seed s gives completion i the seed s + i, so they differ yet repeat
+        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                 max_tokens=args.max_tokens, stop=tuple(args.stop or ()),
+                                 seed=None if args.seed is None else args.seed + i) for i in range(args.n)]  # fmt: skip
         budget = None if args.memory_budget is None else int(args.memory_budget * (1 << 20))
         llm = LLM(args.ckpt, memory_budget=budget, num_pages=args.num_pages, text_only=args.text_only,
-                  quantization=args.quantization)  # fmt: skip
-        print(llm.engine.describe(), file=sys.stderr)
+                  quantization=args.quantization, device=device)  # fmt: skip
+        if args.verbose:
+            print(llm.engine.describe(), file=sys.stderr)
         if args.quantization == "mxfp4":
             print(_packed_experts_line(llm.engine.model), file=sys.stderr)
         if args.stream:
-            print(args.prompt, end="", flush=True)
-            for text in llm.stream(args.prompt, params):
-                print(text, end="", flush=True)
-            print()
+            for i, sp in enumerate(params):
+                _completion_header(i, args.n)
+                print(prompt, end="", flush=True)
+                mid_line[0] = True
+                for text in llm.stream(prompt, sp):
+                    print(text, end="", flush=True)
+                print()
+                mid_line[0] = False
         else:
-            print(args.prompt + llm.generate(args.prompt, params)[0].text)
+            for i, out in enumerate(llm.generate([prompt] * args.n, params)):
+                _completion_header(i, args.n)
+                print(prompt + out.text)
     except USER_ERRORS as e:
         return _fail("generate", e)
     return 0
+
+
+def _completion_header(i: int, n: int) -> None:
+    if n > 1:
+        print(f"--- completion {i + 1} of {n} ---", flush=True)
+
+
+def _read_prompt(arg: str) -> str:
+    """The prompt argument, or all of stdin for "-"."""
+    prompt = sys.stdin.read() if arg == "-" else arg
+    if not prompt:
+        raise ValueError("the prompt is empty" + (" (stdin gave nothing)" if arg == "-" else ""))
+    return prompt
+
+
+def _device(name: str) -> str:
+    """A device torch can use here, checked before any loading: cpu, cuda or cuda:N."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device name (cpu, cuda, cuda:1)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r}: k3 runs on cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: torch sees no CUDA device here (`k3 env` shows what it sees)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 ...)")
+    return str(device)
+
+
+def _peek(path: str) -> tuple[K3Config, Path | None]:
+    """A model's config and its tokenizer.json (None if absent), without reading any weights."""
+    from k3.hub import folder_kind
+    from k3.train.checkpoint import load_checkpoint
+
+    if folder_kind(path) == "model folder":
+        config, tokenizer = K3Config.from_hf(path), Path(path) / "tokenizer.json"
+    else:
+        ckpt = load_checkpoint(path, verify=False)  # the full load verifies the checksums
+        config, tokenizer = ckpt.config, ckpt.path.parent / ckpt.state.get("tokenizer", "tokenizer.json")
+    return config, tokenizer if tokenizer.is_file() else None
+
+
+def _check_context(path: str, prompt: str, max_tokens: int, max_model_len: int | None) -> None:
+    """Refuse a prompt whose tokens plus max_tokens exceed the model's context (max_position_embeddings, or
+    the smaller --max-model-len) before the weights are read."""
+    from k3.train.tokenizer import K3Tokenizer
+
+    config, tokenizer = _peek(path)
+    limit, source = config.max_position_embeddings, "the model's max_position_embeddings"
+    if max_model_len is not None:
+        if max_model_len < 1:
+            raise ValueError(f"--max-model-len {max_model_len}: must be at least 1")
+        if max_model_len > limit:
+            raise ValueError(f"--max-model-len {max_model_len} exceeds {source} ({limit:,})")
+        limit, source = max_model_len, "--max-model-len"
+    if max_tokens > limit:  # --max-tokens alone too long: said even without a tokenizer to count the prompt
+        raise ValueError(f"--max-tokens {max_tokens:,} exceeds the context of {limit:,} tokens ({source})")
+    if tokenizer is None:
+        return  # the load names the missing tokenizer
+    n = len(K3Tokenizer.load(tokenizer).encode(prompt))
+    if n + max_tokens > limit:
+        raise ValueError(
+            f"the prompt's {n:,} tokens + --max-tokens {max_tokens:,} = {n + max_tokens:,} exceed the context of "
+            f"{limit:,} tokens ({source}); shorten the prompt or lower --max-tokens"
+        )
 
 
 def _packed_experts_line(model) -> str:
@@ -213,7 +326,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     _serve_demo(llm, args.sample_tokens)
     for path in plot_run(out):
         print(f"wrote {path}")
-    print(f"\nnext:\n  k3 generate --ckpt {out} --max-tokens 200 --stream \"import os\\n\"\n"
+    print(f"\nnext:\n  {next_generate(out)}\n"
           f"  k3 train --preset small --steps 2000 --out runs/longer     # train longer\n"
           f"  k3 params --preset k3                                      # the full 2.8T model, counted")  # fmt: skip
     return 0
@@ -298,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     init.set_defaults(func=cmd_init)
 
     gen = sub.add_parser("generate", help="continue a prompt with a checkpoint")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help='the text to continue; "-" reads it from stdin')
     gen.add_argument("--ckpt", "--model", dest="ckpt", required=True,
                      help="a model folder (config.json + safetensors), a run folder (its newest checkpoint) or a "
                           "step_* folder")  # fmt: skip
@@ -314,11 +427,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the routed experts MXFP4-packed in memory and compute from them (a packed folder's bytes as "
         "they are, dense weights packed at load); default: dense",
     )
-    gen.add_argument("--max-tokens", type=int, default=100)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=100, help="tokens to generate at most (default 100)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
+    gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, 1 is off (default 0.95)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0 is off (default 0)")
+    gen.add_argument("--stop", action="append", metavar="TEXT",
+                     help="end the output before this text, which is not printed (repeatable)")  # fmt: skip
+    gen.add_argument("-n", type=int, default=1, help="completions of the prompt, batched (default 1)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="repeatable sampling; completion i uses seed + i (default: unseeded)")  # fmt: skip
+    gen.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    gen.add_argument("--max-model-len", type=int, default=None,
+                     help="the context in tokens, prompt + output (default: max_position_embeddings)")  # fmt: skip
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    gen.add_argument("--verbose", action="store_true", help="print the page pool's layout and capacity to stderr")
     size = gen.add_mutually_exclusive_group()
     size.add_argument("--memory-budget", type=float, default=None, help="MiB for the engine's page pool (256)")
     size.add_argument("--num-pages", type=int, default=None, help="the page pool's size in pages instead")
