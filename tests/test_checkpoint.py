@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 import warnings
 
 import pytest
@@ -10,7 +11,14 @@ from safetensors.torch import load_file, save_file
 
 from k3 import K3Config, K3Model
 from k3.model.names import is_legacy_key, legacy_key
-from k3.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, step_dirs
+from k3.train.checkpoint import (
+    CheckpointError,
+    CheckpointWarning,
+    load_checkpoint,
+    save_checkpoint,
+    step_dirs,
+    write_meta,
+)
 from k3.train.optim import build_optimizer
 
 CONFIG = K3Config.from_preset("tiny")
@@ -51,7 +59,8 @@ def test_keeps_the_last_k_and_ignores_unfinished_writes(tmp_path):
     (tmp_path / ".step_00000009.tmp").mkdir()  # a write that crashed before its rename
     (tmp_path / "step_00000007").mkdir()  # a folder with no meta.json is not a checkpoint
     assert [p.name for p in step_dirs(tmp_path)] == ["step_00000004", "step_00000005"]
-    assert load_checkpoint(tmp_path).step == 5
+    with pytest.warns(CheckpointWarning, match=r"loading the older step_00000005 .*step_00000007 has no meta.json"):
+        assert load_checkpoint(tmp_path).step == 5
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
@@ -78,7 +87,7 @@ def test_bad_meta_and_mismatched_model(tmp_path):
     with pytest.raises(CheckpointError, match="not valid JSON"):
         load_checkpoint(path)
     (path / "meta.json").write_text(json.dumps({**json.loads(meta), "format": "other"}))
-    with pytest.raises(CheckpointError, match="not a k3-checkpoint-1"):
+    with pytest.raises(CheckpointError, match="not a k3 checkpoint"):
         load_checkpoint(path)
     (path / "meta.json").write_text(meta)
     other = K3Model(K3Config.from_preset("tiny", num_hidden_layers=3))
@@ -129,7 +138,7 @@ def as_pre_release(path):
     opt["groups"] = [{**g, "params": [back(n) for n in g["params"]]} for g in opt["groups"]]
     opt["scalars"] = {back(k): v for k, v in opt["scalars"].items()}
     meta["sha256"] = {f: hashlib.sha256((path / f).read_bytes()).hexdigest() for f in meta["sha256"]}
-    (path / "meta.json").write_text(json.dumps(meta))
+    write_meta(path, meta)
     assert any(is_legacy_key(k) for k in load_file(path / "model.safetensors"))
 
 
@@ -179,3 +188,82 @@ def test_old_and_new_name_of_one_tensor_is_an_error(tmp_path):
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(CheckpointError, match="both the old and the released name"):
         load_checkpoint(path, verify=False).load_model(K3Model(CONFIG))
+
+
+def test_a_hand_edited_meta_json_is_refused(tmp_path):
+    """Changing a config field in meta.json (its tensors' checksums still match) would change what the
+    model computes without a word: meta.json's own checksum catches it."""
+    model, opt = trained_pair()
+    path = save_checkpoint(tmp_path, 1, model, opt, CONFIG, {"position": 0})
+    meta = json.loads((path / "meta.json").read_text())
+    assert len(meta["meta_sha256"]) == 64
+    load_checkpoint(path)
+    meta["config"]["text_config"]["rms_norm_eps"] = 1e-3
+    (path / "meta.json").write_text(json.dumps(meta, indent=4))
+    with pytest.raises(CheckpointError, match=r"does not match its own checksum \(meta_sha256\)"):
+        load_checkpoint(path)
+    del meta["meta_sha256"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="has no meta_sha256"):
+        load_checkpoint(path)
+    write_meta(path, meta)  # the way to change it on purpose
+    assert load_checkpoint(path).config.rms_norm_eps == 1e-3
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: [m], "a JSON list, not the object"),
+        (lambda m: {k: v for k, v in m.items() if k != "sha256"}, "sha256 must be a JSON object"),
+        (lambda m: {**m, "sha256": {}}, "sha256 lacks a checksum for model.safetensors"),
+        (lambda m: {**m, "step": "3"}, "step must be a non-negative integer, got '3'"),
+        (lambda m: {**m, "state": {}}, "state.position must be a non-negative integer, got None"),
+        (
+            lambda m: {**m, "state": {"position": 0, "tokenizer": "../../elsewhere/tokenizer.json"}},
+            "points outside the run folder",
+        ),
+        (
+            lambda m: {**m, "state": {"position": 0, "tokenizer": "/etc/tokenizer.json"}},
+            "points outside the run folder",
+        ),
+    ],
+)
+def test_meta_json_of_the_wrong_shape_is_a_checkpoint_error(tmp_path, edit, message):
+    model, opt = trained_pair()
+    path = save_checkpoint(tmp_path, 1, model, opt, CONFIG, {"position": 0})
+    meta = edit(json.loads((path / "meta.json").read_text()))
+    if isinstance(meta, dict):
+        write_meta(path, meta)  # a correct self-checksum: only the shape is wrong
+    else:
+        (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_checkpoint(path)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one_and_says_so(tmp_path):
+    model, opt = trained_pair()
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, model, opt, CONFIG, {"position": step})
+    newest = tmp_path / "step_00000004"
+    (newest / "meta.json").write_text('{"format": ')  # a torn write
+    messages = []
+    ckpt = load_checkpoint(tmp_path, log=messages.append)
+    assert ckpt.step == 2 and ckpt.state["position"] == 2
+    assert len(messages) == 1 and "loading the older step_00000002 (step 2)" in messages[0]
+    assert "step_00000004/meta.json is not valid JSON" in messages[0]
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_checkpoint(newest)  # a step folder named explicitly does not fall back
+    (newest / "meta.json").unlink()
+    messages.clear()
+    assert load_checkpoint(tmp_path, log=messages.append).step == 2
+    assert "step_00000004 has no meta.json" in messages[0]
+    (tmp_path / "step_00000002" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"step_00000004 has no meta\.json"):  # none usable: the newest's error
+        load_checkpoint(tmp_path)
+
+
+def test_save_refuses_a_tokenizer_path_outside_the_run(tmp_path):
+    model, opt = trained_pair()
+    with pytest.raises(CheckpointError, match="points outside the run folder"):
+        save_checkpoint(tmp_path, 1, model, opt, CONFIG, {"position": 0, "tokenizer": "../tokenizer.json"})
+    assert not list(tmp_path.iterdir())

@@ -25,7 +25,7 @@ def run(tmp_path_factory) -> Path:
     step = path / "step_00000000"
     from safetensors.torch import load_file, save_file
 
-    from k3.train.checkpoint import _sha256
+    from k3.train.checkpoint import _sha256, write_meta
 
     tensors = load_file(step / "model.safetensors")
     g = torch.Generator().manual_seed(0)
@@ -35,7 +35,7 @@ def run(tmp_path_factory) -> Path:
     save_file(tensors, step / "model.safetensors", metadata={"format": "pt"})
     meta = json.loads((step / "meta.json").read_text())
     meta["sha256"]["model.safetensors"] = _sha256(step / "model.safetensors")
-    (step / "meta.json").write_text(json.dumps(meta))
+    write_meta(step, meta)
     return path
 
 

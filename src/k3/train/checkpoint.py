@@ -4,10 +4,17 @@ A checkpoint is a folder `step_XXXXXXXX/` holding
     model.safetensors      the model's state_dict under the released checkpoint's names
     optimizer.safetensors  optimiser state, keyed "<parameter name>::<state key>"
     extra.safetensors      RNG state and any other tensors the trainer keeps (balancer state)
-    meta.json              step, config (official layout), training state, optimiser groups, and the
-                           sha256 of each file above, so truncation or tampering is detected on load.
+    meta.json              step, config (official layout), training state, optimiser groups, the
+                           sha256 of each file above, and `meta_sha256`, the sha256 of meta.json's own
+                           content, so truncation, tampering or a hand edit of any file is detected on load.
 It is written to a hidden temporary folder, fsynced, then renamed into place: a crash mid-write
 leaves the previous checkpoints intact and no half-written one that looks complete.
+
+Loading a run folder takes its newest checkpoint; when that one is incomplete or damaged it falls back to
+the next older one and says which it used and why (through `log`, by default a CheckpointWarning), so a
+damaged newest checkpoint costs the steps since the older one, not the run. meta.json of the wrong shape
+(a list, a string step, no position, no checksums) is a CheckpointError naming the field, as is a
+tokenizer path in the training state that leads outside the run folder.
 
 Checkpoints written before k3 used the released AttnRes names (`attention_res_*`, `ffn_res_*`) load with
 their keys mapped by `k3.model.names.legacy_key`, model and optimiser alike, and one FutureWarning per
@@ -16,9 +23,10 @@ checkpoint (a warning users see by default, unlike DeprecationWarning) saying so
 
 import hashlib
 import json
-import os
+import re
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,13 +37,20 @@ from safetensors.torch import load_file, save_file
 
 from k3.config import K3Config
 from k3.model.names import legacy_key
+from k3.train.files import fsync_path
 
-FORMAT = "k3-checkpoint-1"
+FORMAT = "k3-checkpoint-2"  # -2 added meta_sha256; -1 (no self-checksum) still loads
+READABLE_FORMATS = ("k3-checkpoint-1", FORMAT)
 FILES = ("model.safetensors", "optimizer.safetensors", "extra.safetensors")
+STEP_NAME = re.compile(r"step_\d{8}")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, modified, or does not fit the model it is loaded into."""
+
+
+class CheckpointWarning(UserWarning):
+    """A run folder's newest checkpoint could not be used and an older one was."""
 
 
 def _sha256(path: Path) -> str:
@@ -46,18 +61,34 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+_fsync = fsync_path
+
+
+def meta_checksum(meta: dict[str, Any]) -> str:
+    """sha256 of meta.json's content without its own checksum, independent of key order and spacing."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_meta(folder: Path, meta: dict[str, Any]) -> Path:
+    """meta.json with its checksum (re)computed: for k3's own writers and for tests that edit a checkpoint
+    on purpose."""
+    meta = {**meta, "format": FORMAT}
+    meta["meta_sha256"] = meta_checksum(meta)
+    path = Path(folder) / "meta.json"
+    path.write_text(json.dumps(meta, indent=1) + "\n")
+    return path
+
+
+def _step_folders(run_dir: Path) -> list[Path]:
+    """Every step_XXXXXXXX folder, complete or not, oldest first."""
+    return sorted((p for p in Path(run_dir).glob("step_*") if p.is_dir() and STEP_NAME.fullmatch(p.name)),
+                  key=lambda p: p.name)  # fmt: skip
 
 
 def step_dirs(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    dirs = [p for p in Path(run_dir).glob("step_*") if p.is_dir() and (p / "meta.json").exists()]
-    return sorted(dirs, key=lambda p: p.name)
+    """Complete checkpoints of a run (those with a meta.json), oldest first."""
+    return [p for p in _step_folders(run_dir) if (p / "meta.json").exists()]
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> tuple[dict, dict]:
@@ -88,6 +119,7 @@ def save_checkpoint(
     keep_last: int = 3,
 ) -> Path:
     """Write step `step` atomically and prune all but the newest `keep_last` checkpoints."""
+    check_tokenizer_path(state.get("tokenizer"), run_dir)
     run_dir = Path(run_dir)
     final = run_dir / f"step_{step:08d}"
     tmp = run_dir / f".step_{step:08d}.tmp"
@@ -108,7 +140,7 @@ def save_checkpoint(
         "optimizer": opt_meta,
         "sha256": {f: _sha256(tmp / f) for f in FILES},
     }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    write_meta(tmp, meta)
     for f in (*FILES, "meta.json"):
         _fsync(tmp / f)
     if final.exists():  # re-saving the same step: replace it
@@ -200,30 +232,99 @@ class Checkpoint:
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def load_checkpoint(path: str | Path, verify: bool = True) -> Checkpoint:
-    """A checkpoint folder, or a run folder (its newest complete checkpoint). Checks the format and,
-    with verify, every file's sha256 against meta.json."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint or run directory")
+def check_tokenizer_path(name: Any, run_dir: Path) -> None:
+    """The training state names its tokenizer relative to the run folder; a path that leads out of it
+    (absolute, or through '..') would load a file the run does not own."""
+    if name is None:
+        return
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{run_dir}: the training state's tokenizer must be a file name, got {name!r}")
+    if Path(name).is_absolute() or ".." in Path(name).parts or "\\" in name:
+        raise CheckpointError(f"{run_dir}: the training state's tokenizer {name!r} points outside the run folder; "
+                              f"it must be a path inside it, such as 'tokenizer.json'")  # fmt: skip
+
+
+def _check_shape(path: Path, meta: Any) -> None:
+    """meta.json parsed as JSON but shaped otherwise than k3 writes it: name the first wrong field."""
+    where = path / "meta.json"
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where}: a JSON {type(meta).__name__}, not the object k3 writes")
+    if meta.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(f"{path}: not a k3 checkpoint (format = {meta.get('format')!r}; k3 reads "
+                              f"{', '.join(READABLE_FORMATS)})")  # fmt: skip
+    if meta["format"] == FORMAT:
+        if "meta_sha256" not in meta:
+            raise CheckpointError(f"{where} has no meta_sha256: it was edited or damaged")
+        if meta["meta_sha256"] != meta_checksum(meta):
+            raise CheckpointError(f"{where} does not match its own checksum (meta_sha256): it was edited or "
+                                  f"damaged after it was written; k3 does not load a changed checkpoint")  # fmt: skip
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{where}: step must be a non-negative integer, got {step!r}")
+    for key, kind in (("config", dict), ("state", dict), ("optimizer", dict), ("sha256", dict)):
+        if not isinstance(meta.get(key), kind):
+            raise CheckpointError(f"{where}: {key} must be a JSON object, got {meta.get(key)!r:.60}")
+    checksums = meta["sha256"]
+    bad = [f for f in FILES if not isinstance(checksums.get(f), str)]
+    if bad:
+        raise CheckpointError(f"{where}: sha256 lacks a checksum for {', '.join(bad)}")
+    position = meta["state"].get("position")
+    if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+        raise CheckpointError(f"{where}: state.position must be a non-negative integer, got {position!r}")
+    opt = meta["optimizer"]
+    if not isinstance(opt.get("groups"), list) or not isinstance(opt.get("scalars"), dict):
+        raise CheckpointError(f"{where}: optimizer must hold a list of groups and an object of scalars")
+    check_tokenizer_path(meta["state"].get("tokenizer"), path.parent)
+
+
+def _load_one(path: Path, verify: bool) -> "Checkpoint":
     if not (path / "meta.json").exists():
-        found = step_dirs(path)
-        if not found:
-            raise CheckpointError(f"{path}: no checkpoint here (no step_*/meta.json)")
-        path = found[-1]
+        raise CheckpointError(f"{path} has no meta.json: the checkpoint is incomplete or damaged")
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path / 'meta.json'} is not valid JSON (truncated or corrupted): {e}") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a {FORMAT} checkpoint (format = {meta.get('format')!r})")
+    _check_shape(path, meta)
     if verify:
         for f in FILES:
             if not (path / f).exists():
                 raise CheckpointError(f"{path / f} is missing: the checkpoint is incomplete")
-            if _sha256(path / f) != meta["sha256"].get(f):
+            if _sha256(path / f) != meta["sha256"][f]:
                 raise CheckpointError(f"{path / f} does not match the checksum in meta.json: truncated or modified")
     return Checkpoint(path, meta)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+
+def load_checkpoint(path: str | Path, verify: bool = True, log: Callable[[str], None] | None = None) -> Checkpoint:
+    """A checkpoint folder, or a run folder (its newest usable checkpoint). Checks meta.json's shape and
+    checksum and, with verify, every file's sha256 against it. In a run folder an unusable newest
+    checkpoint is skipped for the next older one, with a message through `log` (default: a
+    CheckpointWarning) naming the step used and why; if none is usable, the newest one's error is raised."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint or run directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: a file, not a checkpoint or run directory")
+    if (path / "meta.json").exists() or STEP_NAME.fullmatch(path.name):
+        return _load_one(path, verify)
+    found = _step_folders(path)
+    if not found:
+        raise CheckpointError(f"{path}: no checkpoint here (no step_*/meta.json)")
+    errors = []
+    for candidate in reversed(found):
+        try:
+            ckpt = _load_one(candidate, verify)
+        except CheckpointError as e:
+            errors.append(e)
+            continue
+        if errors:
+            (log or _warn)(f"{path}: loading the older {ckpt.path.name} (step {ckpt.step}) because "
+                           + "; ".join(str(e) for e in errors))  # fmt: skip
+        return ckpt
+    raise errors[0]
 
 
 def config_diff(a: K3Config, b: K3Config) -> list[str]:
