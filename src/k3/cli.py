@@ -270,6 +270,30 @@ def _packed_experts_line(model) -> str:
     )
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Perplexity (and nats per token) of a model on a text file or a folder of them."""
+    from k3.eval import evaluate
+
+    try:
+        device = _device(args.device)
+        result = evaluate(args.model, args.data, seq_len=args.seq_len, batch_size=args.batch_size, device=device,
+                          text_only=args.text_only)  # fmt: skip
+    except KeyboardInterrupt:
+        print("k3 eval: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except USER_ERRORS as e:
+        return _fail("eval", e)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+        return 0
+    skipped = [f"{n} {what}" for n, what in ((result.not_utf8, "not UTF-8 text"), (result.empty, "empty")) if n]
+    print(f"perplexity {result.perplexity:.3f} ({result.nats_per_token:.4f} nats/token) over {result.tokens:,} "
+          f"tokens of {result.files:,} file{'s' if result.files != 1 else ''}"
+          + (f" (skipped: {', '.join(skipped)})" if skipped else "")
+          + f"; windows of {result.seq_len} tokens; model {result.model}")  # fmt: skip
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """A model folder in the release layout (config.json, sharded safetensors, tokenizer) from a run,
     step or model folder, for vLLM, SGLang, llama.cpp's converter, or k3 itself."""
@@ -445,6 +469,19 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--memory-budget", type=float, default=None, help="MiB for the engine's page pool (256)")
     size.add_argument("--num-pages", type=int, default=None, help="the page pool's size in pages instead")
     gen.set_defaults(func=cmd_generate)
+
+    evaluation = sub.add_parser("eval", help="perplexity of a model on your text (a file or a folder of files)")
+    evaluation.add_argument("--model", required=True, help="a model folder, a run folder or a step_* folder")
+    evaluation.add_argument("--data", required=True,
+                            help="a UTF-8 text file, or a folder: every UTF-8 text file below it")  # fmt: skip
+    evaluation.add_argument("--seq-len", type=int, default=None,
+                            help="tokens predicted per window (default 512, less for a shorter context)")  # fmt: skip
+    evaluation.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
+    evaluation.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    evaluation.add_argument("--text-only", action="store_true",
+                            help="a multimodal model folder: load the language model only")  # fmt: skip
+    evaluation.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluation.set_defaults(func=cmd_eval)
 
     export = sub.add_parser("export", help="write a model folder in the release layout from a run or checkpoint")
     export.add_argument("--ckpt", required=True, help="a run folder, a step_* folder or a model folder")
