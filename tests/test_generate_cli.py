@@ -151,3 +151,20 @@ def test_suggested_command_passes_a_real_newline(tmp_path):
     got = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.split("\0")[:-1]
     assert got[-1] == "import os\n"
     assert got[got.index("--ckpt") + 1] == str(tmp_path / "a run")
+
+
+def test_a_fallback_to_an_older_step_is_reported_once(ckpt, tmp_path, capsys):
+    import warnings
+
+    from k3.train.checkpoint import CheckpointWarning
+
+    run = tmp_path / "run"
+    shutil.copytree(ckpt, run)
+    newest = run / "step_00000001"
+    shutil.copytree(run / "step_00000000", newest)
+    (newest / "meta.json").write_text("{ torn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc, out, _ = generate(capsys, run, "--temperature", "0")
+    assert rc == 0 and out.startswith("hello")
+    assert [str(w.message).count("step_00000000") for w in caught if w.category is CheckpointWarning] == [1]

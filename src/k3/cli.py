@@ -230,7 +230,8 @@ def _peek(path: str) -> tuple[K3Config, Path | None]:
     if folder_kind(path) == "model folder":
         config, tokenizer = K3Config.from_hf(path), Path(path) / "tokenizer.json"
     else:
-        ckpt = load_checkpoint(path, verify=False)  # the full load verifies the checksums
+        # the full load verifies the checksums and reports a fallback to an older step: no second report here
+        ckpt = load_checkpoint(path, verify=False, log=lambda message: None)
         config, tokenizer = ckpt.config, ckpt.path.parent / ckpt.state.get("tokenizer", "tokenizer.json")
     return config, tokenizer if tokenizer.is_file() else None
 
