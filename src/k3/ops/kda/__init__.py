@@ -2,6 +2,7 @@
 
 - naive.py            the per-timestep reference (the spec in code)
 - chunk.py            chunkwise-parallel form for prefill and training
+- chunk_bwd.py        its hand-written backward
 - fused_recurrent.py  token-by-token form for decoding, in place on a caller's state
 - gate.py             the bounded log-decay gate and the q/k L2 norm
 - backend.py          fla's Triton kernels on CUDA, PyTorch everywhere

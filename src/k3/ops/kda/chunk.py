@@ -18,6 +18,8 @@ factor is at most e^{15·|g|max}, which the bounded gate (g ≥ −5) keeps belo
 Unbounded gates that exceed this are detected and the diagonal blocks recomputed exactly.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -109,26 +111,77 @@ def _intra_chunk_exact(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tup
     return _masked(torch.stack(Akk, dim=1), torch.stack(Aqk, dim=1))
 
 
-def _chunk_terms(q, k, v, g, beta, scale: float, C: int, exact: bool = False) -> tuple[torch.Tensor, ...]:
-    """Everything the sequential pass needs, for a run of whole chunks, computed for all at once.
+@dataclass
+class ChunkTerms:
+    """What a run of whole chunks needs, computed for all of them at once; (BH, n, ...) each.
+
+    The forward's sequential pass reads U, W, Aqk, q_decay, kd and decay_end; the backward
+    (chunk_bwd.py) also reads the inputs in chunk layout, G, M = (I + βAkk)⁻¹ and Akk.
+    """
+
+    qc: torch.Tensor  # (BH, n, C, K) q · scale
+    kc: torch.Tensor  # (BH, n, C, K)
+    vc: torch.Tensor  # (BH, n, C, V)
+    bc: torch.Tensor  # (BH, n, C, 1) β
+    G: torch.Tensor  # (BH, n, C, K) in-chunk cumulative log-decay
+    decay: torch.Tensor  # (BH, n, C, K) Γ = e^G
+    Akk: torch.Tensor  # (BH, n, C, C) strictly lower, without β
+    Aqk: torch.Tensor  # (BH, n, C, C) lower with the diagonal
+    M: torch.Tensor  # (BH, n, C, C) (I + βAkk)⁻¹, unit lower
+    U: torch.Tensor  # (BH, n, C, V) M βv
+    W: torch.Tensor  # (BH, n, C, K) M βkΓ
+    q_decay: torch.Tensor  # (BH, n, C, K) q · scale · Γ
+    kd: torch.Tensor  # (BH, n, C, K) k · Γ_C / Γ: each token's key decayed to the chunk's end
+    decay_end: torch.Tensor  # (BH, n, K, 1) Γ_C
+    exact: bool  # the in-chunk products were materialised per channel (steep unbounded gates)
+
+
+def _chunk_terms(q, k, v, g, beta, scale: float, C: int) -> ChunkTerms:
+    """The chunk-parallel part of the forward for a run of whole chunks.
 
     q, k, g: (B, n·C, H, K); v: (B, n·C, H, V); beta: (B, n·C, H).
-    Returns, per (batch·head, chunk): Aqk (C, C); U (C, V); W (C, K); q·Γ (C, K); (k·Γ_C/Γ)ᵀ (K, C);
-    Γ_C (K, 1); and the largest pivot exponent (scalar) so the caller can check the pivoted path.
     """
     qc, kc, vc, gc = (_chunked(x, C) for x in (q, k, v, g))
     bc = _chunked(beta.unsqueeze(-1), C)  # (BH, n, C, 1)
     qc = qc * scale
     G = gc.cumsum(2)
+    # Only unbounded gates steeper than SAFE_EXP over half a row block need the exact products.
+    exact = bool(_pivot_spread(G) > SAFE_EXP)
     Akk, Aqk = _intra_chunk_exact(qc, kc, G) if exact else _intra_chunk(qc, kc, G)
     decay = _exp(G)
     # WY/UT form: (I + βA)⁻¹ once per chunk, then U = (I + βA)⁻¹ βv and W = (I + βA)⁻¹ βkΓ by matmuls.
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    Tinv = torch.linalg.solve_triangular(Akk * bc, eye, upper=False, unitriangular=True) * bc.transpose(-1, -2)
-    U = Tinv @ vc
-    W = Tinv @ (kc * decay)
-    k_to_end = (kc * _exp(G[:, :, -1:] - G)).transpose(-1, -2)
-    return Aqk, U, W, qc * decay, k_to_end, decay[:, :, -1].unsqueeze(-1), _pivot_spread(G)
+    M = torch.linalg.solve_triangular(Akk * bc, eye, upper=False, unitriangular=True)
+    Tinv = M * bc.transpose(-1, -2)
+    kd = kc * _exp(G[:, :, -1:] - G)
+    return ChunkTerms(qc, kc, vc, bc, G, decay, Akk, Aqk, M, Tinv @ vc, Tinv @ (kc * decay), qc * decay, kd,
+                      decay[:, :, -1].unsqueeze(-1), exact)  # fmt: skip
+
+
+def _groups(B: int, H: int, C: int, K: int, V: int, NC: int) -> list[tuple[int, int]]:
+    """[c0, c1) runs of chunks whose tensors stay near GROUP_ELEMENTS elements."""
+    group = max(1, GROUP_ELEMENTS // (B * H * C * max(K, V)))
+    return [(c0, min(NC, c0 + group)) for c0 in range(0, NC, group)]
+
+
+def _group_inputs(xs, c0: int, c1: int, C: int, T: int) -> list[torch.Tensor]:
+    """Tokens of chunks [c0, c1), the last one zero-padded to whole chunks."""
+    t0, t1 = c0 * C, min(T, c1 * C)
+    pad = (c1 - c0) * C - (t1 - t0)
+    xs = [x[:, t0:t1] for x in xs]
+    return [F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in xs] if pad else xs
+
+
+def _sequences(seq_chunks, NC, initial_state, B, H, K, V):
+    """Per sequence: first chunk -> sequence, last chunk -> sequence, and each initial state as (rows, K, V)."""
+    if seq_chunks is None:
+        seq_chunks = [(0, NC)]
+        h0 = [None if initial_state is None else initial_state.reshape(B * H, K, V)]
+    else:
+        h0 = [None if initial_state is None else initial_state[i] for i in range(len(seq_chunks))]
+    first = {c0: i for i, (c0, c1) in enumerate(seq_chunks) if c1 > c0}
+    last = {c1 - 1: i for i, (c0, c1) in enumerate(seq_chunks) if c1 > c0}
+    return seq_chunks, first, last, h0
 
 
 def chunk_kda_fwd(
@@ -141,9 +194,8 @@ def chunk_kda_fwd(
     initial_state: torch.Tensor | None,
     chunk_size: int,
     seq_chunks: list[tuple[int, int]] | None = None,
-    chunk_states: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The chunked algorithm on prepared inputs (heads already expanded, flags applied).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunked algorithm on prepared inputs (heads already expanded, flags applied), no autograd.
 
     q, k, g: (B, T, H, K); v: (B, T, H, V); beta: (B, T, H); all in the compute dtype (fp32 or
     fp64). T need not be a multiple of chunk_size: the last chunk is zero-padded, which leaves the
@@ -151,60 +203,72 @@ def chunk_kda_fwd(
     seq_chunks: for packed sequences (B == 1, laid out chunk-aligned by the caller), each sequence's
     [first, last) chunk; the state restarts from that sequence's initial state at its first chunk.
     None means one sequence per batch row.
-    Returns o (B, T, H, V), the final states (N, H, K, V) and, if chunk_states, the state at the start
-    of every chunk (B, NC, H, K, V) (fla's `return_intermediate_states`), else None.
+    Returns o (B, T, H, V), the final states (N, H, K, V) and the state at the start of every chunk
+    (B·H, NC, K, V): what the backward and a prefix cache's checkpoints read.
+
+    Only the state recursion is sequential (u = U − W S, S ← Γ_C S + kdᵀ u: two matmuls a chunk); the
+    outputs o = (qΓ) S + Aqk u are then computed for a whole group of chunks at once.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
     NC = -(-T // C)
-    # Each sequence starts from its own initial state (or zeros) at its first chunk.
-    if seq_chunks is None:
-        seq_chunks = [(0, NC)]
-        h0 = [None if initial_state is None else initial_state.reshape(B * H, K, V)]
-    else:
-        h0 = [None if initial_state is None else initial_state[i] for i in range(len(seq_chunks))]
-    first = {c0: i for i, (c0, c1) in enumerate(seq_chunks) if c1 > c0}
-    last = {c1 - 1: i for i, (c0, c1) in enumerate(seq_chunks) if c1 > c0}
-
+    seq_chunks, first, last, h0 = _sequences(seq_chunks, NC, initial_state, B, H, K, V)
     zeros = q.new_zeros(B * H, K, V)
     S, finals, outs, starts = zeros, list(h0), [], []
-    group = max(1, GROUP_ELEMENTS // (B * H * C * max(K, V)))
-    for c0 in range(0, NC, group):
-        c1 = min(NC, c0 + group)
-        t0, t1 = c0 * C, min(T, c1 * C)
-        pad = (c1 - c0) * C - (t1 - t0)
-        xs = [x[:, t0:t1] for x in (q, k, v, g, beta)]
-        if pad:
-            xs = [F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in xs]
-        terms = _chunk_terms(*xs, scale, C)
-        if terms[-1] > SAFE_EXP:
-            # Only unbounded gates get here: recompute the in-chunk products exactly.
-            terms = _chunk_terms(*xs, scale, C, exact=True)
-        Aqk, U, W, q_decay, k_to_end, decay_end, _ = terms
-
-        o = []
+    for c0, c1 in _groups(B, H, C, K, V, NC):
+        t = _chunk_terms(*_group_inputs((q, k, v, g, beta), c0, c1, C, T), scale, C)
+        group_starts, us = [], []
         for j in range(c1 - c0):
             n = c0 + j
             if n in first:
                 S = zeros if h0[first[n]] is None else h0[first[n]].reshape(B * H, K, V).to(q.dtype)
-            if chunk_states:
-                starts.append(S)
-            u = torch.baddbmm(U[:, j], W[:, j], S, alpha=-1)  # U − W S
-            o.append(torch.baddbmm(q_decay[:, j] @ S, Aqk[:, j], u))
-            S = torch.baddbmm(decay_end[:, j] * S, k_to_end[:, j], u)
+            group_starts.append(S)
+            u = torch.baddbmm(t.U[:, j], t.W[:, j], S, alpha=-1)  # U − W S
+            us.append(u)
+            S = torch.baddbmm(t.decay_end[:, j] * S, t.kd[:, j].transpose(-1, -2), u)
             if n in last:
                 finals[last[n]] = S
-        o = torch.stack(o, dim=1)
-        outs.append(_unchunked(o, B)[:, : t1 - t0])
+        S_n = torch.stack(group_starts, dim=1)  # (BH, n, K, V)
+        o = torch.matmul(t.q_decay, S_n).add_(t.Aqk @ torch.stack(us, dim=1))  # (BH, n, C, V)
+        outs.append(_unchunked(o, B)[:, : min(T, c1 * C) - c0 * C])
+        starts.append(S_n)
 
     o = torch.cat(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
     final = torch.cat([(zeros if s is None else s.to(q.dtype)).reshape(-1, H, K, V) for s in finals])
-    h = None
+    starts = torch.cat(starts, dim=1) if starts else q.new_zeros(B * H, 0, K, V)
+    return o, final, starts
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    """chunk_kda_fwd with a hand-written backward (chunk_bwd.py): the chunk start states are kept, the
+    chunk-parallel terms recomputed, and the state recursion run backwards. Inputs as chunk_kda_fwd's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, chunk_size, seq_chunks):
+        o, final, starts = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, chunk_size, seq_chunks)
+        ctx.save_for_backward(q, k, v, g, beta, starts)
+        ctx.config = (scale, chunk_size, seq_chunks, initial_state is not None)
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        from k3.ops.kda.chunk_bwd import chunk_kda_bwd
+
+        q, k, v, g, beta, starts = ctx.saved_tensors
+        scale, chunk_size, seq_chunks, has_h0 = ctx.config
+        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_chunks)
+        return dq, dk, dv, dg, dbeta, (dh0 if has_h0 else None), None, None, None
+
+
+def _chunk_fwd(q, k, v, g, beta, scale, h0, chunk_size, seq_chunks=None, chunk_states=False):
+    """o, final states and (if chunk_states) the chunk start states; through the hand-written backward
+    when a gradient is needed (chunk_states comes only in inference mode, without one)."""
     if chunk_states:
-        h = torch.stack(starts, dim=1) if starts else q.new_zeros(B * H, 0, K, V)  # (B·H, NC, K, V)
-        h = h.view(B, H, -1, K, V).transpose(1, 2)
-    return o, final, h
+        return chunk_kda_fwd(q, k, v, g, beta, scale, h0, chunk_size, seq_chunks)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
+        return (*ChunkKDAFunction.apply(q, k, v, g, beta, h0, scale, chunk_size, seq_chunks), None)
+    return (*chunk_kda_fwd(q, k, v, g, beta, scale, h0, chunk_size, seq_chunks)[:2], None)
 
 
 CHUNK_SIZES = (32, 64)  # what fla's kernels accept; the torch path agrees, so a call never depends on the backend
@@ -287,9 +351,9 @@ def chunk_kda(
             )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q2, k2, v2, g2, b2, h0 = prepare(q, k, v, g, beta, initial_state, flags, A_log, dt_bias)
-    chunk_states = return_intermediate_states
+    states = return_intermediate_states
     if cu_seqlens is None:
-        o, final, h = chunk_kda_fwd(q2, k2, v2, g2, b2, scale, h0, chunk_size, chunk_states=chunk_states)
+        o, final, h = _chunk_fwd(q2, k2, v2, g2, b2, scale, h0, chunk_size, chunk_states=states)
     else:
         # Lay the sequences out chunk-aligned (each padded to whole chunks with neutral zeros) so a
         # chunk never straddles two of them; the state restarts at each sequence's first chunk.
@@ -301,8 +365,10 @@ def chunk_kda(
             start += n
         dst = torch.cat(dst)
         padded = [x.new_zeros(1, start * C, *x.shape[2:]).index_copy(1, dst, x) for x in (q2, k2, v2, g2, b2)]
-        o, final, h = chunk_kda_fwd(*padded, scale, h0, C, seq_chunks, chunk_states=chunk_states)
+        o, final, h = _chunk_fwd(*padded, scale, h0, C, seq_chunks, chunk_states=states)
         o = o.index_select(1, dst)
+    if h is not None:  # (B·H, NC, K, V) -> (B, NC, H, K, V)
+        h = h.view(q2.shape[0], q2.shape[2], -1, *h.shape[-2:]).transpose(1, 2)
     if state_v_first:
         final = final.transpose(-1, -2)
         h = None if h is None else h.transpose(-1, -2)

@@ -1,0 +1,186 @@
+"""The backward of chunked KDA (chunk.py), written by hand.
+
+Per chunk, with start state S, the forward computed
+
+    u = U − W S            o = (qΓ) S + Aqk u            S' = Γ_C S + kdᵀ u
+
+so, given do and dS' (the gradient of the state after the chunk), going backwards over chunks:
+
+    du = Aqkᵀ do + kd dS'          dS = Γ_C dS' + (qΓ)ᵀ do − Wᵀ du
+
+Only these two lines are sequential; with the chunk start states kept by the forward, everything else
+is batched over a group of chunks: dAqk = do uᵀ, d(qΓ) = do Sᵀ, dkd = u dS'ᵀ, dΓ_C = Σ_v dS' ⊙ S,
+dU = du, dW = −du Sᵀ. Then through the chunk-parallel terms (recomputed, not stored):
+
+    U = M βv, W = M β(kΓ), M = (I + βAkk)⁻¹:   dM = (dU vᵀ + dW (kΓ)ᵀ) diag β,   d(βAkk) = −Mᵀ dM Mᵀ
+    Akk_ts = Σ_c k_tc k_sc e^{G_tc − G_sc}, Aqk likewise with q_t: their gradients are the same decayed
+    products, Σ_s dA_ts k_s e^{G_t − G_s} (rows) and Σ_t dA_ts q_t e^{G_t − G_s} (columns), computed with
+    the forward's pivoted blocks; G's gradient from them is q ⊙ (row term) − k ⊙ (column term).
+    G = cumsum(g), so dg is the reverse cumulative sum of dG.
+"""
+
+import torch
+
+from k3.ops.kda.chunk import (
+    SAFE_EXP,
+    SUB,
+    _chunk_terms,
+    _chunked,
+    _exp,
+    _group_inputs,
+    _groups,
+    _sequences,
+    _unchunked,
+)
+
+
+class Decay:
+    """The pivoted per-channel factors of one group's chunks, computed once and shared by the four
+    decayed products of the backward (rows and columns of dAkk and dAqk).
+
+    Row blocks of SUB tokens: a block's own columns pivoted at its middle token p (factors e^{G − p}
+    and e^{p − G}, within e^{SAFE_EXP} or the exact path is taken), earlier columns at the block's
+    first token r (e^{G_t − r} and e^{r − G_s}, both ≤ 1), as the forward's `_intra_chunk`. A product
+    whose intermediate still overflows (a gradient entry above ~1e3 against an e^80 factor) is
+    recomputed exactly.
+    """
+
+    def __init__(self, G: torch.Tensor):
+        BH, n, C, K = G.shape
+        self.G, self.sub = G, min(SUB, C)
+        self.nb, mid = C // self.sub, self.sub // 2
+        Gb = G.view(BH, n, self.nb, self.sub, K)
+        pivot = Gb[:, :, :, mid : mid + 1]
+        self.exact = float((Gb - pivot).abs().amax()) > SAFE_EXP if C else False
+        if self.exact:
+            return
+        self.up, self.down = torch.exp(Gb - pivot), torch.exp(pivot - Gb)  # (BH, n, nb, sub, K)
+        self.rows, self.cols = [], []  # per row block i ≥ 1: e^{G_t − r_i} (its rows), e^{r_i − G_s} (s < i·sub)
+        for i in range(1, self.nb):
+            start = G[:, :, i * self.sub : i * self.sub + 1]
+            self.rows.append(_exp(Gb[:, :, i] - start))
+            self.cols.append(_exp(start - G[:, :, : i * self.sub]))
+
+    def _blocks(self, D: torch.Tensor) -> torch.Tensor:
+        BH, n = D.shape[:2]
+        return D.view(BH, n, self.nb, self.sub, self.nb, self.sub).diagonal(dim1=2, dim2=4).movedim(-1, 2)
+
+    def rows_of(self, D: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+        """R_t = Σ_{s ≤ t} D_ts · Y_s ⊙ e^{G_t − G_s}; D (BH, n, C, C) lower triangular, Y (BH, n, C, K)."""
+        if self.exact:
+            return _decayed_exact(D, Y, self.G, "bts,bsc,btsc->btc")
+        BH, n, C, K = Y.shape
+        sub = self.sub
+        out = self.up * (self._blocks(D) @ (Y.view(BH, n, self.nb, sub, K) * self.down))
+        for i in range(1, self.nb):
+            earlier = D[:, :, i * sub : (i + 1) * sub, : i * sub] @ (Y[:, :, : i * sub] * self.cols[i - 1])
+            out[:, :, i] += self.rows[i - 1] * earlier
+        out = out.view(BH, n, C, K)
+        return out if torch.isfinite(out).all() else _decayed_exact(D, Y, self.G, "bts,bsc,btsc->btc")
+
+    def cols_of(self, D: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+        """Q_s = Σ_{t ≥ s} D_ts · X_t ⊙ e^{G_t − G_s}: the same factors, read the other way round."""
+        if self.exact:
+            return _decayed_exact(D, X, self.G, "bts,btc,btsc->bsc")
+        BH, n, C, K = X.shape
+        sub = self.sub
+        out = self.down * (self._blocks(D).transpose(-1, -2) @ (X.view(BH, n, self.nb, sub, K) * self.up))
+        out = out.view(BH, n, C, K)
+        for i in range(1, self.nb):
+            later = D[:, :, i * sub : (i + 1) * sub, : i * sub].transpose(-1, -2) @ (
+                X[:, :, i * sub : (i + 1) * sub] * self.rows[i - 1]
+            )
+            out[:, :, : i * sub] += self.cols[i - 1] * later
+        return out if torch.isfinite(out).all() else _decayed_exact(D, X, self.G, "bts,btc,btsc->bsc")
+
+
+def _decayed_exact(D: torch.Tensor, Y: torch.Tensor, G: torch.Tensor, formula: str) -> torch.Tensor:
+    """A decayed product with the per-channel factor materialised, one chunk at a time to bound memory
+    (steep unbounded gates only)."""
+    out = []
+    for j in range(Y.shape[1]):
+        Gj = G[:, j]
+        E = _exp((Gj.unsqueeze(2) - Gj.unsqueeze(1)).clamp(max=0))  # (BH, t, s, K)
+        out.append(torch.einsum(formula, D[:, j], Y[:, j], E))
+    return torch.stack(out, dim=1)
+
+
+def terms_backward(t, dU, dW, dAqk, dqd, dkd, d_decay_end, scale):
+    """Gradients of a group's chunk-parallel terms (ChunkTerms t) -> dq, dk, dv, dg, dβ in chunk layout
+    (BH, n, C, ·), dβ as (BH, n, C). dAqk must be zero above the diagonal; d_decay_end is (BH, n, K)."""
+    kG = t.kc * t.decay
+    Tinv = t.M * t.bc.transpose(-1, -2)
+    dv = Tinv.transpose(-1, -2) @ dU
+    dkG = Tinv.transpose(-1, -2) @ dW
+    dTinv = dU @ t.vc.transpose(-1, -2) + dW @ kG.transpose(-1, -2)
+    dbeta = (dTinv * t.M).sum(-2)  # Tinv = M diag(β): column s carries β_s
+    dM = dTinv * t.bc.transpose(-1, -2)
+    Mt = t.M.transpose(-1, -2)
+    dL = -(Mt @ dM @ Mt).tril(-1)  # L = I + diag(β) Akk; its strictly lower part is all that varies
+    dbeta = dbeta + (dL * t.Akk).sum(-1)
+    dAkk = dL * t.bc
+
+    decay = Decay(t.G)
+    dq_rows = decay.rows_of(dAqk, t.kc)
+    dk_from_q = decay.cols_of(dAqk, t.qc)
+    dk_rows = decay.rows_of(dAkk, t.kc)
+    dk_cols = decay.cols_of(dAkk, t.kc)
+    to_end = t.kd
+    dq = dq_rows + dqd * t.decay
+    dk = dk_rows + dk_cols + dk_from_q + dkG * t.decay + dkd * _exp(t.G[:, :, -1:] - t.G)
+    dG = t.qc * dq_rows - t.kc * dk_from_q + t.kc * (dk_rows - dk_cols) + dkG * kG + dqd * t.q_decay - dkd * to_end
+    dG[:, :, -1] += (dkd * to_end).sum(-2) + d_decay_end * t.decay_end.squeeze(-1)
+    dg = dG.flip(2).cumsum(2).flip(2)  # G = cumsum(g)
+    return dq * scale, dk, dv, dg, dbeta
+
+
+def chunk_kda_bwd(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_chunks):
+    """Gradients of chunk_kda_fwd's (o, final) with respect to q, k, v, g, beta and the initial state.
+
+    Inputs as chunk_kda_fwd's; starts: (B·H, NC, K, V) the chunk start states it returned; do: (B, T, H, V);
+    dfinal: (N, H, K, V). Returns dq, dk, dv, dg, dβ in the inputs' shapes and dh0 (N, H, K, V).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    NC = starts.shape[1]
+    packed = seq_chunks is not None  # N packed sequences in one row (B = 1), else one sequence per batch row
+    seq_chunks, first, last, _ = _sequences(seq_chunks, NC, None, B, H, K, V)
+    N = len(seq_chunks) if packed else B
+    dfinal = q.new_zeros(N, H, K, V) if dfinal is None else dfinal.to(q.dtype)
+    # per sequence of the recursion, its state rows: (sequences, rows, K, V)
+    dfinal_rows = dfinal if packed else dfinal.reshape(1, B * H, K, V)
+    dh0 = dfinal_rows.clone()  # an empty sequence passes its final state's gradient straight through
+    grads = [torch.zeros_like(x) for x in (q, k, v, g, beta)]
+    do = do.to(q.dtype)
+    dS = q.new_zeros(B * H, K, V)
+    for c0, c1 in reversed(_groups(B, H, C, K, V, NC)):
+        t = _chunk_terms(*_group_inputs((q, k, v, g, beta), c0, c1, C, T), scale, C)
+        S_n = starts[:, c0:c1]  # (BH, n, K, V)
+        u = t.U - t.W @ S_n
+        do_n = _chunked(_group_inputs((do,), c0, c1, C, T)[0], C)  # (BH, n, C, V)
+        Aqk_do = t.Aqk.transpose(-1, -2) @ do_n  # (BH, n, C, V)
+        qd_do = t.q_decay.transpose(-1, -2) @ do_n  # (BH, n, K, V)
+        du, dS_after = [None] * (c1 - c0), [None] * (c1 - c0)
+        for j in reversed(range(c1 - c0)):
+            n = c0 + j
+            if n in last:
+                dS = dfinal_rows[last[n]]
+            dS_after[j] = dS
+            du[j] = torch.baddbmm(Aqk_do[:, j], t.kd[:, j], dS)
+            dS = torch.baddbmm(t.decay_end[:, j] * dS + qd_do[:, j], t.W[:, j].transpose(-1, -2), du[j], alpha=-1)
+            if n in first:
+                dh0[first[n]] = dS
+        du, dS_after = torch.stack(du, dim=1), torch.stack(dS_after, dim=1)
+        dAqk = (do_n @ u.transpose(-1, -2)).tril()
+        dqd = do_n @ S_n.transpose(-1, -2)
+        dkd = u @ dS_after.transpose(-1, -2)
+        d_decay_end = (dS_after * S_n).sum(-1)
+        dW = -(du @ S_n.transpose(-1, -2))
+        parts = terms_backward(t, du, dW, dAqk, dqd, dkd, d_decay_end, scale)
+        t0, t1 = c0 * C, min(T, c1 * C)
+        for grad, part in zip(grads, parts, strict=True):
+            chunk = part if part.dim() == 4 else part.unsqueeze(-1)
+            unchunked = _unchunked(chunk, B)[:, : t1 - t0]
+            grad[:, t0:t1] = unchunked if grad.dim() == 4 else unchunked.squeeze(-1)
+    return (*grads, dh0.reshape(N, H, K, V))
