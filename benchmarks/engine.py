@@ -238,10 +238,10 @@ def first_token(eng: LLMEngine, prompt: list[int]) -> tuple[float, int, torch.Te
     caught: list[torch.Tensor] = []
     run = eng.runner.run
 
-    def catching(prefill, decode):
-        logits = run(prefill, decode)
-        if prefill:  # one request here: the step's last prefill piece ends where its prompt does
-            caught.append(logits[len(prefill) - 1].clone())
+    def catching(plan):
+        logits = run(plan)
+        if plan.prefill and plan.prefill[-1].sample:  # one request here: the piece that ends its prompt
+            caught.append(logits[0].clone())
         return logits
 
     eng.runner.run = catching

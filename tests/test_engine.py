@@ -99,6 +99,8 @@ def test_admission_errors(model):
         eng.add_request([10_000], GREEDY)
     with pytest.raises(TypeError, match="a prompt is a string or a list of token ids, got NoneType"):
         eng.add_request(None, GREEDY)
+    with pytest.raises(TypeError, match=r"params must be a k3.serve.sampling.SamplingParams, got dict"):
+        eng.add_request([1, 2], {"temperature": 0})
     assert len(eng.scheduler.waiting) == 2  # nothing bad was queued
 
 
@@ -134,8 +136,8 @@ def test_a_failed_forward_leaks_no_pages(model):
     rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     run = eng.runner.run
 
-    def failing(prefill, decode):
-        assert any(len(item) == 3 and item[2] is not None for item in prefill)  # a checkpoint was reserved
+    def failing(plan):
+        assert plan.checkpoint_pages  # a checkpoint was reserved
         raise MemoryError("out of memory")
 
     eng.runner.run = failing

@@ -8,9 +8,11 @@ import torch
 
 from k3 import K3Config
 from k3.serve.model_runner import ModelRunner
+from k3.serve.plan import StepPlan, decode_row, prefill_piece
 from k3.serve.pool import PageLayout, PagePool
 from k3.serve.prefix_cache import PrefixCache, PrefixCacheStats, chain_hash, unit_hashes
 from k3.serve.sampling import SamplingParams
+from k3.serve.scheduler import Scheduler, SchedulerConfig
 from k3.serve.sequence import Sequence
 from tiny_models import tiny_model
 
@@ -50,7 +52,15 @@ def stats(**counts: int) -> PrefixCacheStats:
     return PrefixCacheStats(**counts)
 
 
-# ---- hashing and arguments ------------------------------------------------------------------------
+def checkpoint(cache: PrefixCache, seq: Sequence, position: int) -> None:
+    """A checkpoint's life without a model: reserve its pages, fill them with seq's state as the forward
+    would when it passes `position` (seq's state is taken to be that state), commit."""
+    pages = cache.reserve_checkpoint(seq, position)
+    if pages is not None:
+        cache.pool.storage[pages] = cache.pool.storage[seq.state_pages]
+        cache.commit_checkpoint(seq, position, pages)
+
+
 def test_hashes_are_chained_and_stable():
     a, b = tokens(40, 0), tokens(40, 1)
     assert unit_hashes(a, 16) == unit_hashes(list(a), 16) and len(unit_hashes(a, 16)) == 2  # full units only
@@ -68,20 +78,20 @@ def test_bad_arguments():
     for block in (0, -16, 24):
         with pytest.raises(ValueError, match="positive multiple of the page's 16 tokens"):
             PrefixCache(pool, block)
-    with pytest.raises(ValueError, match="checkpoint_interval = 48"):
-        PrefixCache(pool, 32, checkpoint_interval=48)
+    with pytest.raises(ValueError, match="checkpoint_interval_tokens = 48"):
+        PrefixCache(pool, 32, checkpoint_interval_tokens=48)
     cache = PrefixCache(pool, 16)
     seq = Sequence("s", tokens(40, 0))
     computed(pool, seq, 24)
-    for position in (0, 16, 24):  # 16 is a boundary but not where the state is; 24 is no boundary
-        with pytest.raises(ValueError, match="positive multiple of hash_block = 16"):
-            cache.store_checkpoint(seq, position)
+    for position in (0, 24, 48):  # 24 is no unit boundary; 48 is past the sequence's 40 tokens
+        with pytest.raises(ValueError, match="positive multiple of hash_block_tokens = 16"):
+            cache.reserve_checkpoint(seq, position)
     with pytest.raises(ValueError, match="no latents computed"):
         cache.acquire(seq, cache.match(seq.prompt_token_ids))
 
 
 def test_checkpoint_positions():
-    cache = PrefixCache(PagePool(LAYOUT, 4), 16, checkpoint_interval=64)
+    cache = PrefixCache(PagePool(LAYOUT, 4), 16, checkpoint_interval_tokens=64)
     assert cache.checkpoint_positions(1) == [] and cache.checkpoint_positions(16) == []
     assert cache.checkpoint_positions(17) == [16] and cache.checkpoint_positions(64) == [48]
     assert cache.checkpoint_positions(65) == [64] and cache.checkpoint_positions(129) == [64, 128]
@@ -91,17 +101,16 @@ def test_checkpoint_positions():
     assert PrefixCache(PagePool(LAYOUT, 4), 16, 16).checkpoint_positions(50) == [16, 32, 48]
 
 
-# ---- registration and matching without a model -------------------------------------------------------
 def test_commit_match_and_checkpoints():
     pool = PagePool(LAYOUT, 32)
-    cache = PrefixCache(pool, BLOCK, checkpoint_interval=64)
+    cache = PrefixCache(pool, BLOCK, checkpoint_interval_tokens=64)
     a = tokens(80, 0)
     A = Sequence("A", a)
     computed(pool, A, 64)
     pool.kda_states()[A.state_pages] = torch.arange(3.0)[:, None, None, None] + 1
     cache.commit_latents(A)
-    cache.store_checkpoint(A, 64)
-    cache.store_checkpoint(A, 64)
+    checkpoint(cache, A, 64)
+    checkpoint(cache, A, 64)
     computed(pool, A, 80)
     cache.commit_latents(A)  # 80 tokens are still two full units
     assert cache.num_units == 2 and cache.num_checkpoints == 1
@@ -118,7 +127,7 @@ def test_commit_match_and_checkpoints():
     refs = [pool.refcount(p) for p in range(pool.num_pages)]
     m = cache.match(b)
     assert (m.latent_tokens, m.resume_tokens, m.latent_pages) == (64, 64, A.latent_pages[:4])
-    assert [pool.key(p) for p in m.checkpoint_pages] == [("ckpt", h[1], layer) for layer in range(3)]
+    assert [pool.key(p) for p in m.checkpoint_pages] == [("checkpoint", h[1], layer) for layer in range(3)]
     assert [pool.refcount(p) for p in range(pool.num_pages)] == refs  # match changes nothing
     assert cache.match(a[:40] + tokens(40, 3)).latent_tokens == 32
     # a checkpoint at the prompt's end is useless: the last token's logits must still be computed
@@ -148,7 +157,7 @@ def test_commit_match_and_checkpoints():
     D = Sequence("D", tokens(40, 2))
     computed(pool, D, 32)
     filler = pool.allocate(pool.available())  # evicts the unused checkpoint; the units are held by A, B, C
-    cache.store_checkpoint(D, 32)
+    checkpoint(cache, D, 32)
     assert cache.num_units == 2 and cache.num_checkpoints == 0
     assert (cache.stats.checkpoints_skipped, cache.stats.evicted_checkpoints, cache.stats.evicted_units) == (1, 1, 0)
     pool.release(filler)
@@ -165,11 +174,11 @@ def test_reserve_checkpoint_looks_at_its_own_unit():
     """A sequence whose later unit has a checkpoint (and whose unit hashes are all memoised, as the
     scheduler's match() leaves them) still reserves one for an earlier unit."""
     pool = PagePool(LAYOUT, 32)
-    cache = PrefixCache(pool, BLOCK, checkpoint_interval=BLOCK)
+    cache = PrefixCache(pool, BLOCK, checkpoint_interval_tokens=BLOCK)
     a = tokens(70, 0)
     A = Sequence("A", a)
     computed(pool, A, 64)
-    cache.store_checkpoint(A, 64)
+    checkpoint(cache, A, 64)
     B = Sequence("B", list(a))
     cache.match(B)  # memoises both unit hashes of B
     computed(pool, B, 32)
@@ -184,11 +193,11 @@ def test_reserve_checkpoint_looks_at_its_own_unit():
 
 def test_eviction_drops_whole_groups():
     pool = PagePool(LAYOUT, 12)
-    cache = PrefixCache(pool, BLOCK, checkpoint_interval=BLOCK)
+    cache = PrefixCache(pool, BLOCK, checkpoint_interval_tokens=BLOCK)
     A = Sequence("A", tokens(70, 0))
     computed(pool, A, 64)
     cache.commit_latents(A)
-    cache.store_checkpoint(A, 64)
+    checkpoint(cache, A, 64)
     free(pool, A)  # LRU: checkpoint (3 pages), unit 0 (2), unit 1 (2); 5 pages free
     assert (pool.num_free, pool.num_evictable) == (5, 7)
     # one allocate evicts both pages of unit 0 after all three of the checkpoint; its siblings, evicted in
@@ -215,20 +224,25 @@ def test_eviction_of_a_foreign_key_is_an_error():
         pool.allocate(2)
 
 
-# ---- end to end with the model ----------------------------------------------------------------------
-
-
 class Harness:
     """What the scheduler does for one sequence, driven by hand: admit through the cache, prefill in chunks
-    ending at checkpoint positions (committing latents and storing checkpoints), then greedy decode; every
-    logit is checked against an uncached forward of the same tokens."""
+    ending at checkpoint positions (reserving each checkpoint in the chunk's plan; the forward fills it and
+    Scheduler.complete commits it and the latents), then greedy decode; every logit is checked against an
+    uncached forward of the same tokens."""
 
     def __init__(self, num_pages: int):
         self.model = tiny_model(**TINY16)
         self.pool = PagePool(dataclasses.replace(LAYOUT, dtype=torch.float64), num_pages)
         self.pool.storage.fill_(7.0)  # stale data must not leak into a request
         self.runner = ModelRunner(self.model, self.pool)
-        self.cache = PrefixCache(self.pool, BLOCK, checkpoint_interval=64)
+        self.cache = PrefixCache(self.pool, BLOCK, checkpoint_interval_tokens=64)
+        self.scheduler = Scheduler(SchedulerConfig(), self.pool, self.cache)
+
+    def step(self, plan: StepPlan) -> torch.Tensor:
+        """The engine's step for a plan made by hand: run, then complete (progress, checkpoints, latents)."""
+        logits = self.runner.run(plan)
+        self.scheduler.complete(plan)
+        return logits[0]
 
     @torch.no_grad()
     def reference(self, seq: Sequence) -> torch.Tensor:
@@ -240,17 +254,16 @@ class Harness:
         ends = [p for p in self.cache.checkpoint_positions(len(prompt)) if p > seq.num_computed_tokens]
         for end in [*ends, len(prompt)]:
             grow(self.pool, seq, end)
-            logits = self.runner.prefill(seq, end - seq.num_computed_tokens)
-            self.cache.commit_latents(seq)
-            if end < len(prompt):
-                self.cache.store_checkpoint(seq, end)
+            pages = self.cache.reserve_checkpoint(seq, end) if end < len(prompt) else None
+            piece = prefill_piece(seq, seq.num_computed_tokens, end, checkpoint_pages=pages)
+            logits = self.step(StepPlan([dataclasses.replace(piece, sample=True)]))
         for _ in range(decode_steps + 1):
             assert torch.allclose(logits, self.reference(seq), rtol=0, atol=1e-9)
             if seq.num_output_tokens == decode_steps:
                 break
             seq.append_token(int(logits.argmax()))
             grow(self.pool, seq, seq.num_tokens)
-            logits = self.runner.decode([seq])[0]
+            logits = self.step(StepPlan(decode=[decode_row(seq)]))
         self.cache.check()
         self.pool.check()
         return seq

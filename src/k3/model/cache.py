@@ -5,12 +5,19 @@ convolution. MLA layers keep, per past token, the normalised latent c_kv (kv_lor
 the shared key part k_pe (qk_rope_head_dim values, no rotation): nothing per head.
 """
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from k3.config import K3Config
+
+
+def causal_mask(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """(B, T) absolute positions of the queries -> (B, T, num_keys) bool, True where a query may see a key:
+    key j is visible to a query at position p when j <= p. The one causal mask of the model and the engine."""
+    return torch.arange(num_keys, device=query_positions.device) <= query_positions[..., None]
 
 
 @dataclass
@@ -35,7 +42,7 @@ class MLALayerCache:
         if T == 1:
             return None
         L = self.length
-        return torch.ones(T, L, dtype=torch.bool, device=device).tril(L - T)[None]
+        return causal_mask(torch.arange(L - T, L, device=device)[None], L)
 
     def append(self, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add this step's (B, T, ·) entries; return everything cached so far."""
@@ -45,31 +52,23 @@ class MLALayerCache:
         return latent, k_pe
 
 
-@dataclass
-class PackedLayerCache:
-    """One layer's cache for a packed batch, as a serving engine runs it: B == 1 and the sequences'
-    new tokens one after another, those of equal length next to each other. Token-wise work (every
-    projection, norm, FFN) runs once over all of them; only the sequence mixing (convolution,
-    recurrence, attention) runs per group.
+class GroupedLayerCache(ABC):
+    """The one thing a layer asks of a cache besides the plain ones above: a cache over several groups
+    of sequences packed along T of a (1, ΣT) batch (the serving engine's step, k3.serve.paged_cache)
+    runs the layer's sequence mixing per group itself. Each group's cache has the plain cache's
+    interface (`state` / `conv` for KDA, `append` / `attention_mask` for MLA) with B = its rows."""
 
-    groups[i] = (start, end, rows, cache): tokens start:end are `rows` sequences of (end − start) / rows
-    tokens each, and `cache` serves those rows like a KDALayerCache or MLALayerCache with B = rows.
-    """
-
-    groups: list[tuple[int, int, int, object]]
+    @abstractmethod
+    def mix(self, mix: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+        """mix(*parts, group_cache) on each group's tokens as (rows, T_group, ...), re-packed to (1, ΣT, ...)."""
 
 
-def for_each_group(cache, mix: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
-    """mix(*xs, cache) -> (B, T, ...) for a plain cache (or None); for a PackedLayerCache, mix on each
-    group's tokens reshaped to (rows, tokens per row, ...) with that group's cache, re-packed in order."""
-    if not isinstance(cache, PackedLayerCache):
-        return mix(*xs, cache)
-    outs = []
-    for start, end, rows, sub in cache.groups:
-        parts = [x[:, start:end].reshape(rows, (end - start) // rows, *x.shape[2:]) for x in xs]
-        out = mix(*parts, sub)
-        outs.append(out.reshape(1, end - start, *out.shape[2:]))
-    return torch.cat(outs, dim=1)
+def sequence_mixing(cache, mix: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+    """A layer's sequence mixing under its cache: mix(*xs, cache) for a plain cache or None; a
+    GroupedLayerCache splits the tokens into its groups itself."""
+    if isinstance(cache, GroupedLayerCache):
+        return cache.mix(mix, *xs)
+    return mix(*xs, cache)
 
 
 @dataclass

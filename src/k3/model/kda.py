@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.cache import KDALayerCache, PackedLayerCache, for_each_group
+from k3.model.cache import GroupedLayerCache, KDALayerCache, sequence_mixing
 from k3.model.norm import RMSNorm
 from k3.ops.kda import chunk_kda, fused_recurrent_kda
 
@@ -72,7 +72,7 @@ class KimiDeltaAttention(nn.Module):
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
 
-    def forward(self, x: torch.Tensor, cache: KDALayerCache | PackedLayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KDALayerCache | GroupedLayerCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
         # q, k, v through one convolution over their concatenated channels: the same arithmetic as
@@ -85,7 +85,7 @@ class KimiDeltaAttention(nn.Module):
             qkv = F.linear(x, torch.cat(weights))
         g_raw = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         beta_raw = self.b_proj(x)
-        o = for_each_group(cache, self.mix, qkv, g_raw, beta_raw)  # (B, T, H, V)
+        o = sequence_mixing(cache, self.mix, qkv, g_raw, beta_raw)  # (B, T, H, V)
         gate = torch.sigmoid(self.output_gate(x).view(B, T, H, V))
         return self.o_proj((self.o_norm(o) * gate).reshape(B, T, H * V))
 

@@ -17,14 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.cache import MLALayerCache, PackedLayerCache, for_each_group
+from k3.model.cache import GroupedLayerCache, MLALayerCache, causal_mask, sequence_mixing
 from k3.model.norm import RMSNorm
 from k3.ops.numerics import at_least_fp32
-
-
-def causal_mask(T: int, L: int, device: torch.device) -> torch.Tensor:
-    """(T, L) True where query i, at absolute position L − T + i, may see key j."""
-    return torch.ones(T, L, dtype=torch.bool, device=device).tril(L - T)
 
 
 class GatedMLA(nn.Module):
@@ -66,11 +61,11 @@ class GatedMLA(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         return self.kv_a_layernorm(c_kv), k_pe
 
-    def forward(self, x: torch.Tensor, cache: MLALayerCache | PackedLayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: MLALayerCache | GroupedLayerCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q_nope, q_pe = self.queries(x)
         c_kv, k_pe = self.latents(x)
-        o = for_each_group(cache, self.attend, q_nope, q_pe, c_kv, k_pe)  # (B, T, H, v)
+        o = sequence_mixing(cache, self.attend, q_nope, q_pe, c_kv, k_pe)  # (B, T, H, v)
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x).view(B, T, self.H, self.v_dim))
         return self.o_proj(o.reshape(B, T, self.H * self.v_dim))
@@ -123,7 +118,7 @@ class GatedMLA(nn.Module):
             scores = scores.baddbmm_((q_pe * self.scale).reshape(B, T * H, self.rope), k_pe.transpose(1, 2))
         scores = at_least_fp32(scores.view(B, T, H, L))
         if mask is None and T > 1:
-            mask = causal_mask(T, L, scores.device)[None]
+            mask = causal_mask(torch.arange(L - T, L, device=scores.device)[None], L)
         if mask is not None:
             scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
         p = torch.softmax(scores, dim=-1).to(c_kv.dtype)

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.model.model import K3Model
-from k3.serve.detokenizer import IncrementalDetokenizer
 from k3.serve.model_runner import ModelRunner
+from k3.serve.plan import StepPlan
 from k3.serve.pool import PageLayout, PagePool
 from k3.serve.prefix_cache import PrefixCache
-from k3.serve.sampling import SamplingParams, StopChecker, sample
+from k3.serve.sampling import SamplingParams, sample
 from k3.serve.scheduler import Scheduler, SchedulerConfig
 from k3.serve.sequence import FinishReason, Sequence
 
@@ -67,9 +67,7 @@ class LLMEngine:
             self.cache = PrefixCache(self.pool, block, block * config.checkpoint_interval_units)
         self.scheduler = Scheduler(config.scheduler, self.pool, self.cache)
         self.runner = ModelRunner(model, self.pool)
-        self.seqs: dict[str, Sequence] = {}
-        self.stops: dict[str, StopChecker] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.seqs: dict[str, Sequence] = {}  # every request not yet finished or aborted, and its state
         self._ids = itertools.count()
         self.eos_id = getattr(tokenizer, "eos_id", None)
         log.info("k3 engine: %s", self.pool.describe())
@@ -77,10 +75,14 @@ class LLMEngine:
     def describe(self) -> str:
         return self.pool.describe()
 
-    # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:  # fmt: skip
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"params must be a k3.serve.sampling.SamplingParams, got {type(params).__name__}: "
+                "write SamplingParams(**your_dict)"
+            )
         if not isinstance(prompt, (str, list, tuple)):
             raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -89,11 +91,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if max(ids, default=0) >= self.model.config.vocab_size:
             raise ValueError(f"token id {max(ids)} is outside the vocabulary ({self.model.config.vocab_size})")
-        seq = Sequence(request_id, ids, params, device=self.pool.storage.device)
+        seq = Sequence(request_id, ids, params, device=self.pool.storage.device, tokenizer=self.tokenizer)
         self.scheduler.add(seq)  # may raise Overloaded or ValueError; nothing is stored then
         self.seqs[request_id] = seq
-        self.stops[request_id] = StopChecker(params.stop)
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -101,66 +101,40 @@ class LLMEngine:
         if seq is None:
             return False
         seq.finish(FinishReason.ABORT)
-        self.seqs.pop(request_id, None)
-        self.stops.pop(request_id, None)
-        self.detokenizers.pop(request_id, None)
+        del self.seqs[request_id]
         return True
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
-    # ---- one step ----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
+        """schedule → run → postprocess. The plan says what the forward computes; the forward fills the
+        KDA checkpoints the plan reserved; `complete` advances progress and commits them."""
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        # every prefill chunk and every decode of the step in one forward; a chunk ending at a checkpoint
-        # position has its KDA state written into pages reserved for the checkpoint as the forward goes
-        snapshots = [
-            self.cache.reserve_checkpoint(c.seq, c.end) if c.checkpoint and self.cache is not None else None
-            for c in batch.prefill
-        ]
+        plan = self.scheduler.schedule()
         try:
-            logits = self.runner.run(
-                [(c.seq, c.num_tokens, pages) for c, pages in zip(batch.prefill, snapshots, strict=True)], batch.decode
-            )
+            logits = self.runner.run(plan)
         except BaseException:
-            self.pool.release([p for pages in snapshots if pages is not None for p in pages])
+            self.scheduler.abandon(plan)
             raise
-        sampled: list[tuple[Sequence, torch.Tensor]] = []
-        for chunk, pages, row in zip(batch.prefill, snapshots, logits, strict=False):
-            if pages is not None:
-                self.cache.commit_checkpoint(chunk.seq, chunk.end, pages)
-            if chunk.end == chunk.seq.num_tokens:
-                sampled.append((chunk.seq, row))
-        if self.cache is not None:
-            for seq in {id(c.seq): c.seq for c in batch.prefill}.values():
-                self.cache.commit_latents(seq)
-        sampled += list(zip(batch.decode, logits[len(batch.prefill) :], strict=True))
-        outputs = self._postprocess(sampled)
+        self.scheduler.complete(plan)
+        outputs = self._postprocess(plan, logits)
         self.scheduler.step_seconds = 0.9 * self.scheduler.step_seconds + 0.1 * (time.perf_counter() - t0)
         return outputs
 
-    def _postprocess(self, sampled: list[tuple[Sequence, torch.Tensor]]) -> list[RequestOutput]:
-        if not sampled:
+    def _postprocess(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample one token for every sampled piece, stream its text, finish and drop what is done."""
+        seqs = [p.seq for p in plan.sampled]
+        if not seqs:
             return []
-        seqs = [s for s, _ in sampled]
-        tokens = sample(torch.stack([l for _, l in sampled]), [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         outputs = []
         for seq, token in zip(seqs, tokens.tolist(), strict=True):
-            reason = seq.append_token(token, self.eos_id)
-            text = self.detokenizers[seq.request_id].step(seq.output_token_ids, final=reason is not None)
-            hit, new_text = self.stops[seq.request_id].update(text, final=reason is not None)
-            if hit and reason is None:
-                seq.finish(FinishReason.STOP)
-            seq.output_text += new_text
+            new_text = seq.append_output(token, self.eos_id)
             if seq.is_finished:
-                if self.cache is not None:
-                    self.cache.commit_latents(seq)
-                self.scheduler.remove(seq)
-                self.seqs.pop(seq.request_id, None)
-                self.stops.pop(seq.request_id, None)
-                self.detokenizers.pop(seq.request_id, None)
+                self.scheduler.finish(seq)
+                del self.seqs[seq.request_id]
             outputs.append(RequestOutput(
                 seq.request_id, new_text, [token], seq.is_finished,
                 seq.finish_reason.value if seq.finish_reason else None, seq.num_prompt_tokens,

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from k3.serve.plan import StepPlan, decode_row, prefill_piece
 from k3.serve.pool import OutOfPages, PagePool
 from k3.serve.sequence import Sequence, SequenceStatus
 
@@ -38,21 +39,12 @@ class SchedulerConfig:
 
 
 @dataclass
-class PrefillChunk:
-    seq: Sequence
-    start: int  # the first prompt position it computes
-    num_tokens: int
-    checkpoint: bool  # the chunk ends at a checkpoint position: store the KDA state after it
+class _Draft:
+    """The step being decided: decodes and prefill chunks (seq, start, end, phase, checkpoint), before
+    checkpoint pages are reserved and the plan is frozen. Preemption drops a request's entries."""
 
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-
-@dataclass
-class Batch:
-    prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int, int, int, bool]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
 
@@ -65,7 +57,6 @@ class Scheduler:
         self.step_seconds = 0.05  # running average of a step, for retry-after estimates
         self.num_preemptions = 0
 
-    # ---- costs -------------------------------------------------------------------------------
     def pages_needed(self, seq: Sequence) -> int:
         """Pages the whole request may hold: KDA states + latents of its prompt and reserved output."""
         reserved = math.ceil(seq.params.max_tokens * self.config.reserve_output_fraction)
@@ -82,7 +73,6 @@ class Scheduler:
                 f"{seq.params.max_tokens} max tokens) but the pool has {self.pool.num_pages}: shorten it"
             )
 
-    # ---- queue -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.check_fits(seq)
         waiting_tokens = sum(s.num_prompt_tokens for s in self.waiting)
@@ -107,6 +97,12 @@ class Scheduler:
                 return seq
         return None
 
+    def finish(self, seq: Sequence) -> None:
+        """A request finished: register its full latent units (its output is a cacheable prefix too) and remove it."""
+        if self.cache is not None:
+            self.cache.commit_latents(seq)
+        self.remove(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted request out and give its pages back (latents of full units stay
         cached if the prefix cache registered them)."""
@@ -122,9 +118,11 @@ class Scheduler:
         if pages:
             self.pool.release(pages)
 
-    # ---- one step ----------------------------------------------------------------------------
-    def schedule(self) -> Batch:
-        batch = Batch()
+    def schedule(self) -> StepPlan:
+        """Decide the step: which requests decode, which prompt tokens are computed (split at checkpoint
+        positions), which are admitted or preempted; then reserve the checkpoint pages. Changes no
+        request's progress: that is `complete`'s, after the forward."""
+        batch = _Draft()
         budget = self.config.max_batched_tokens
         # 1. Decodes first: a running request with its prompt computed produces one token per step.
         for seq in list(self.running):
@@ -147,7 +145,35 @@ class Scheduler:
             if not self._admit(seq):
                 break  # keep the order: a large request is not overtaken forever by small ones
             budget -= self._prefill(seq, budget, batch)
-        return batch
+        return self._plan(batch)
+
+    def _plan(self, batch: _Draft) -> StepPlan:
+        """Freeze the draft. Checkpoint pages are reserved last, after every page the step's tokens need:
+        a checkpoint is an optimisation and must not preempt a request."""
+        prefill = []
+        for seq, start, end, phase, checkpoint in batch.prefill:
+            pages = self.cache.reserve_checkpoint(seq, end) if checkpoint else None
+            prefill.append(prefill_piece(seq, start, end, phase, pages))
+        return StepPlan(prefill, [decode_row(s) for s in batch.decode], batch.preempted)
+
+    def complete(self, plan: StepPlan) -> None:
+        """After the plan's forward: advance each request's progress (the only place that does), commit the
+        checkpoints the forward filled, and register the latent units that are now full."""
+        for piece in plan.pieces:
+            piece.seq.num_computed_tokens = piece.end
+        if self.cache is None:
+            return
+        for piece in plan.prefill:
+            if piece.checkpoint_pages is not None:
+                self.cache.commit_checkpoint(piece.seq, piece.end, list(piece.checkpoint_pages))
+        for seq in {id(p.seq): p.seq for p in plan.prefill}.values():
+            self.cache.commit_latents(seq)
+
+    def abandon(self, plan: StepPlan) -> None:
+        """The plan's forward failed: give back its checkpoint pages; progress did not move, so the next
+        step plans the same tokens again."""
+        if plan.checkpoint_pages:
+            self.pool.release(plan.checkpoint_pages)
 
     def _admission_order(self) -> list[Sequence]:
         """Cache-aware: requests whose prefix is cached cost less prefill and go first; a request that
@@ -170,19 +196,18 @@ class Scheduler:
                 self.cache.acquire(seq, self.cache.match(seq))
             if not seq.state_pages:
                 seq.state_pages = self.pool.allocate(self.layout.n_kda)
-        except OutOfPages:
+        except OutOfPages:  # acquire changed nothing; only state pages allocated here are given back
             self._release(seq)
-            seq.num_computed_tokens = seq.num_cached_tokens = 0
             return False
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return True
 
-    def _prefill(self, seq: Sequence, budget: int, batch: Batch) -> int:
+    def _prefill(self, seq: Sequence, budget: int, batch: _Draft) -> int:
         """Schedule the next prompt tokens of seq, up to budget, as consecutive chunks split at the
         checkpoint positions they cross: the runner computes them in one forward, one after another,
-        and stores the KDA state at each split without an extra pass. Returns tokens used."""
+        and fills the KDA checkpoint at each split without an extra pass. Returns tokens used."""
         start = seq.num_computed_tokens
         end = min(seq.num_tokens, start + budget)
         if end <= start or not self._grow(seq, end, batch):
@@ -190,11 +215,12 @@ class Scheduler:
         cuts = []
         if self.cache is not None:
             cuts = [pos for pos in self.cache.checkpoint_positions(seq.num_prompt_tokens) if start < pos <= end]
-        for a, b in itertools.pairwise([start, *cuts, *([end] if not cuts or cuts[-1] < end else [])]):
-            batch.prefill.append(PrefillChunk(seq, a, b - a, checkpoint=b in cuts))
+        bounds = [start, *cuts, *([end] if not cuts or cuts[-1] < end else [])]
+        for phase, (a, b) in enumerate(itertools.pairwise(bounds)):
+            batch.prefill.append((seq, a, b, phase, b in cuts))
         return end - start
 
-    def _grow(self, seq: Sequence, tokens: int, batch: Batch) -> bool:
+    def _grow(self, seq: Sequence, tokens: int, batch: _Draft) -> bool:
         """Make seq hold latent pages for `tokens` tokens, preempting the newest other running request
         while the pool is short. False if seq itself had to be preempted."""
         need = self.layout.latent_pages(tokens) - len(seq.latent_pages)
@@ -209,10 +235,10 @@ class Scheduler:
                     return False
         return True
 
-    def _preempt(self, seq: Sequence, batch: Batch) -> None:
+    def _preempt(self, seq: Sequence, batch: _Draft) -> None:
         self.running.remove(seq)
         batch.decode = [s for s in batch.decode if s is not seq]
-        batch.prefill = [c for c in batch.prefill if c.seq is not seq]
+        batch.prefill = [c for c in batch.prefill if c[0] is not seq]
         self.pool.release(seq.reset_for_recompute())
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)

@@ -5,7 +5,8 @@ import time
 
 import torch
 
-from k3.serve.sampling import SamplingParams, make_generator
+from k3.serve.detokenizer import IncrementalDetokenizer
+from k3.serve.sampling import SamplingParams, StopChecker, make_generator
 
 
 class SequenceStatus(enum.Enum):
@@ -35,7 +36,10 @@ class Sequence:
     num_computed_tokens counts tokens whose MLA latents and KDA state are in the cache (chunked
     prefill advances it chunk by chunk); num_cached_tokens is how many prompt tokens came from the
     prefix cache, reported in usage. latent_pages is the MLA latent page table (page i holds tokens
-    [i·P, (i+1)·P)); state_pages holds one page per KDA layer group. output_text is kept by the engine.
+    [i·P, (i+1)·P)); state_pages holds one page per KDA layer. Who writes what: the scheduler the pages
+    and num_computed_tokens (advanced only by Scheduler.complete after a forward; set by the prefix
+    cache's acquire on admission, zeroed by reset_for_recompute); the engine the output, through
+    append_output, which also keeps the request's text stream (output_text).
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class Sequence:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         device: torch.device | str = "cpu",
+        tokenizer=None,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty")
@@ -62,6 +67,9 @@ class Sequence:
         self.num_cached_tokens = 0
         self.latent_pages: list[int] = []
         self.state_pages: list[int] = []
+        # the text stream: detokenised incrementally (without a tokenizer, no text), stop strings held back
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stop_checker = StopChecker(self.params.stop)
         self.output_text = ""
 
     def __repr__(self) -> str:
@@ -123,6 +131,17 @@ class Sequence:
         elif self.num_output_tokens >= p.max_tokens:
             self.finish(FinishReason.LENGTH)
         return self.finish_reason
+
+    def append_output(self, token_id: int, eos_token_id: int | None = None) -> str:
+        """append_token, then the text it adds to the stream: detokenised, cut at a stop string (which
+        finishes the request), with a possible start of a stop string held back until it is decided."""
+        reason = self.append_token(token_id, eos_token_id)
+        text = self.detokenizer.step(self.output_token_ids, final=reason is not None) if self.detokenizer else ""
+        hit, new_text = self.stop_checker.update(text, final=reason is not None)
+        if hit and reason is None:
+            self.finish(FinishReason.STOP)
+        self.output_text += new_text
+        return new_text
 
     def finish(self, reason: FinishReason) -> None:
         """Mark finished. The first reason sticks: an abort that arrives after a stop changes nothing."""
