@@ -11,7 +11,7 @@ from torch import nn
 
 from k3 import K3Config, K3Model
 from k3.train import muon
-from k3.train.muon import NS_COEFFS, MuonAdamW, newton_schulz
+from k3.train.muon import NS_COEFFS, MuonAdamW, muon_update, newton_schulz
 from k3.train.optim import (
     ParamGroupError,
     build_optimizer,
@@ -366,3 +366,27 @@ def test_set_lr_factor_scales_each_groups_base_lr():
     set_lr_factor(opt, 0.5)
     assert [g["lr"] for g in opt.param_groups] == [0.01, 0.0005]
     assert [g["base_lr"] for g in opt.param_groups] == [0.02, 0.001]
+
+
+def test_muon_second_step_is_nesterov_exactly():
+    """Two steps pinned value for value: the first cannot tell Nesterov from plain momentum (the buffer
+    starts at zero and Newton–Schulz normalises), the second can. Per-head blocks and decoupled decay too."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(6, 5, dtype=torch.float64))
+    lr, wd, mu = 0.1, 0.01, 0.95
+    opt = MuonAdamW([{"params": [p], "algo": "muon", "heads": 2}], lr=lr, weight_decay=wd, momentum=mu)
+    g1, g2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(6, 5, dtype=torch.float64)
+    start = p.detach().clone()
+    expected = start.clone()
+    buf = torch.zeros_like(expected)
+    for grad in (g1, g2):
+        p.grad = grad.clone()
+        opt.step()
+        buf = mu * buf + grad
+        direction = grad + mu * buf  # Nesterov: the gradient plus the momentum it is about to join
+        expected = expected * (1 - lr * wd) - lr * muon_update(direction, heads=2)
+        assert torch.allclose(p.detach(), expected, rtol=0, atol=1e-12)
+    # the same two steps with plain momentum (direction = buffer) land measurably elsewhere
+    plain = start * (1 - lr * wd) - lr * muon_update(g1, heads=2)
+    plain = plain * (1 - lr * wd) - lr * muon_update(mu * g1 + g2, heads=2)
+    assert (plain - expected).abs().max() > 1e-3
