@@ -168,3 +168,19 @@ def test_a_fallback_to_an_older_step_is_reported_once(ckpt, tmp_path, capsys):
         rc, out, _ = generate(capsys, run, "--temperature", "0")
     assert rc == 0 and out.startswith("hello")
     assert [str(w.message).count("step_00000000") for w in caught if w.category is CheckpointWarning] == [1]
+
+
+def test_docs_list_every_generate_flag():
+    """docs/serving.md's table of `k3 generate` flags names each flag the parser has, and no other."""
+    import argparse
+    import re
+    from pathlib import Path
+
+    from k3.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {s for a in sub.choices["generate"]._actions for s in a.option_strings} - {"-h", "--help"}
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text(encoding="utf-8")
+    table = [line for line in docs.splitlines() if line.startswith("| `-")]
+    documented = {f.split()[0] for line in table for f in re.findall(r"`(-[-\w]+(?: \w+)?)`", line.split("|")[1])}
+    assert documented == flags
