@@ -148,8 +148,7 @@ def test_latent_moe_matches_per_token_reference(merge_elements, monkeypatch):
     monkeypatch.setattr("k3.model.moe.MERGE_ELEMENTS", merge_elements)
     moe = randomized(LatentMoE(TINY))
     x = torch.randn(3, 7, TINY.hidden_size, dtype=torch.float64, requires_grad=True)
-    y = moe(x)
-    r = moe.last_routing
+    y, r = moe(x)
     x_TD = x.reshape(-1, TINY.hidden_size)
     rows = []
     for t in range(x_TD.shape[0]):

@@ -38,3 +38,52 @@ def attn_res(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> tor
     for v, w in zip(sources[1:], weights[1:], strict=True):
         out = torch.addcmul(out, v, w.unsqueeze(-1))
     return out
+
+
+class ResidualStream:
+    """The plain residual stream of the `residual="standard"` ablation: every sublayer reads x and adds
+    its output to it. Same interface as AttnResStream, so a decoder layer runs either."""
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x  # (B, T, d)
+
+    def begin_layer(self, index: int) -> None:
+        """Nothing to do: a plain residual has no blocks."""
+
+    def input(self, query: tuple[nn.Linear, RMSNorm] | None = None) -> torch.Tensor:
+        return self.x
+
+    def add(self, out: torch.Tensor) -> None:
+        self.x = self.x + out
+
+    readout = input
+
+
+class AttnResStream:
+    """Block AttnRes bookkeeping over depth: the completed blocks b₀ … b_{n−1} (b₀ the embedding) and
+    `partial`, the sum of the sublayer outputs so far in the current block.
+
+    The block rule: config.attn_res_blocks lists the layer index each block starts at. Entering such a
+    layer closes the current block, whose partial sum becomes the next b_n, and starts an empty one;
+    inside a block each sublayer's output is added to `partial`. Every sublayer input, and the final
+    readout, is attn_res over the completed blocks and the partial sum (absent right after a block opens).
+    """
+
+    def __init__(self, embedding: torch.Tensor, block_starts: set[int]):
+        self.blocks = [embedding]  # (B, T, d) each
+        self.partial: torch.Tensor | None = None
+        self.block_starts = block_starts
+
+    def begin_layer(self, index: int) -> None:
+        if index in self.block_starts and self.partial is not None:
+            self.blocks.append(self.partial)
+            self.partial = None
+
+    def input(self, query: tuple[nn.Linear, RMSNorm]) -> torch.Tensor:
+        """The next sublayer's input under its pseudo-query (proj, norm): (B, T, d)."""
+        return attn_res(self.blocks if self.partial is None else [*self.blocks, self.partial], *query)
+
+    def add(self, out: torch.Tensor) -> None:
+        self.partial = out if self.partial is None else self.partial + out
+
+    readout = input

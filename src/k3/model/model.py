@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.attn_res import attn_res
+from k3.model.attn_res import AttnResStream, ResidualStream
 from k3.model.cache import K3Cache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
@@ -33,7 +33,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: K3Config, index: int):
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
-        self.kind = config.layer_types[index]
+        self.index, self.kind = index, config.layer_types[index]
         self.self_attn = GatedMLA(config) if self.kind == "mla" else KimiDeltaAttention(config)
         if config.ffn_types[index] == "dense":
             self.mlp = GatedMLP(d, config.intermediate_size, config.hidden_act, config.activation_situ_beta,
@@ -48,19 +48,30 @@ class DecoderLayer(nn.Module):
             self.mlp_res_proj = nn.Linear(d, 1, bias=False)
             self.mlp_res_norm = RMSNorm(d, eps)
 
-    @property
-    def ffn(self) -> nn.Module:
-        return self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
+    def res_query(self, sublayer: str) -> tuple[nn.Linear, RMSNorm] | None:
+        """The AttnRes pseudo-query and key norm before `sublayer` ("self_attention" or "mlp"); None
+        under standard residuals."""
+        if not hasattr(self, f"{sublayer}_res_proj"):
+            return None
+        return getattr(self, f"{sublayer}_res_proj"), getattr(self, f"{sublayer}_res_norm")
 
-    def attention(self, h: torch.Tensor, cache) -> torch.Tensor:
-        return self.self_attn(self.input_layernorm(h), cache)
-
-    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.ffn(self.post_attention_layernorm(h))
+    def forward(self, stream: ResidualStream | AttnResStream, cache=None) -> RouterOutput | None:
+        """Attention then FFN, each pre-normed, reading from and adding to the residual stream (updated in
+        place). Returns the MoE's routing decision (None for a dense FFN), for load balancing."""
+        stream.begin_layer(self.index)
+        stream.add(self.self_attn(self.input_layernorm(stream.input(self.res_query("self_attention"))), cache))
+        h = self.post_attention_layernorm(stream.input(self.res_query("mlp")))
+        if hasattr(self, "mlp"):
+            out, routing = self.mlp(h), None
+        else:
+            out, routing = self.block_sparse_moe(h)
+        stream.add(out)
+        return routing
 
 
 class K3TextModel(nn.Module):
-    """input_ids (B, T) -> final hidden states (B, T, d), after the last AttnRes readout and norm."""
+    """input_ids (B, T) -> final hidden states (B, T, d) after the last AttnRes readout and norm, and the
+    routing decision of every MoE layer in layer order."""
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -73,27 +84,16 @@ class K3TextModel(nn.Module):
             self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.block_starts = {s for s, _ in config.attn_res_blocks}
 
-    def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None) -> tuple[torch.Tensor, list[RouterOutput]]:
         x = self.embed_tokens(input_ids)
         caches = cache.layers if cache is not None else [None] * len(self.layers)
         if self.config.residual == "standard":
-            for layer, c in zip(self.layers, caches, strict=True):
-                x = x + layer.attention(x, c)
-                x = x + layer.feed_forward(x)
-            return self.norm(x)
-
-        blocks, partial = [x], None  # b₀ = the embedding; partial = the current block's running sum
-        for i, (layer, c) in enumerate(zip(self.layers, caches, strict=True)):
-            if i in self.block_starts and partial is not None:
-                blocks.append(partial)
-                partial = None
-            sources = blocks + ([partial] if partial is not None else [])
-            h = attn_res(sources, layer.self_attention_res_proj, layer.self_attention_res_norm)
-            a = layer.attention(h, c)
-            partial = a if partial is None else partial + a
-            f = layer.feed_forward(attn_res([*blocks, partial], layer.mlp_res_proj, layer.mlp_res_norm))
-            partial = partial + f
-        return self.norm(attn_res([*blocks, partial], self.output_attn_res_proj, self.output_attn_res_norm))
+            stream, readout = ResidualStream(x), None
+        else:
+            stream = AttnResStream(x, self.block_starts)
+            readout = (self.output_attn_res_proj, self.output_attn_res_norm)
+        routing = [r for layer, c in zip(self.layers, caches, strict=True) if (r := layer(stream, c)) is not None]
+        return self.norm(stream.readout(readout)), routing
 
 
 class K3Model(nn.Module):
@@ -141,7 +141,7 @@ class K3Model(nn.Module):
     ) -> K3Output:
         """logits_at: (n,) positions along T; only their logits are computed, (B, n, vocab): a serving
         step needs one position per sequence, and the LM head is the widest matmul of a small model."""
-        hidden = self.model(input_ids, cache)
+        hidden, routing = self.model(input_ids, cache)
         if cache is not None:
             cache.seq_len += input_ids.shape[1]
         if logits_at is not None:
@@ -155,5 +155,4 @@ class K3Model(nn.Module):
             loss = F.cross_entropy(
                 at_least_fp32(logits[:, :-1].flatten(0, 1)), labels[:, 1:].flatten(), ignore_index=-100
             )
-        routing = [layer.ffn.last_routing for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
         return K3Output(logits, loss, routing)

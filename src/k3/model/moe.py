@@ -19,7 +19,7 @@ MERGE_ELEMENTS = 1 << 18
 
 
 class LatentMoE(nn.Module):
-    """x (B, T, D) -> (B, T, D); the last routing decision is kept in `self.last_routing`."""
+    """x (B, T, D) -> y (B, T, D) and the routing decision (for load balancing: K3Output.routing)."""
 
     def __init__(self, config: K3Config):
         super().__init__()
@@ -33,19 +33,17 @@ class LatentMoE(nn.Module):
         self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
         if config.num_shared_experts:
             self.shared_experts = GatedMLP(D, config.moe_intermediate_size * config.num_shared_experts, *self.act)
-        self.last_routing: RouterOutput | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         routing = self.gate(x_TD)
-        self.last_routing = routing
         z_TL = self.routed_expert_down_proj(x_TD)
         u_TL = self.dispatch(z_TL, routing)
         y_TD = self.routed_expert_up_proj(self.routed_expert_norm(u_TL))
         if hasattr(self, "shared_experts"):
             y_TD = y_TD + self.shared_experts(x_TD)
-        return y_TD.view(shape)
+        return y_TD.view(shape), routing
 
     def dispatch(self, z_TL: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         """Σ_k w_tk · Expert_{e_tk}(z_t), assignments sorted by expert so each expert's tokens are one
