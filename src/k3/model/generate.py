@@ -5,19 +5,18 @@ import torch
 
 from k3.model.cache import K3Cache
 from k3.model.model import K3Model
+from k3.model.sampling import filtered_probs
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
     """logits (B, vocab) -> token ids (B,). temperature 0 is greedy; top_p keeps the smallest set of
-    most likely tokens whose probability reaches top_p."""
+    most likely tokens whose probability reaches top_p (the engine's filter, with top-k off)."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # drop a token once the mass before it already reaches top_p (the first token always stays)
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0))
+    B, V = logits.shape
+    top_k = torch.full((B,), V, device=logits.device)
+    top_p_B = torch.full((B,), top_p, dtype=torch.float32, device=logits.device)
+    probs = filtered_probs(logits.float() / temperature, top_k, top_p_B)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from k3.model.sampling import filtered_probs
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -70,25 +72,6 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     if seed is None:
         return None
     return torch.Generator(device=device).manual_seed(seed)
-
-
-def filtered_probs(logits_SV: torch.Tensor, top_k_S: torch.Tensor, top_p_S: torch.Tensor) -> torch.Tensor:
-    """(S, V) fp32 logits already divided by temperature -> (S, V) probabilities after top-k, then top-p.
-
-    top_k_S (S,) int64 in [1, V]; top_p_S (S,) fp32 in (0, 1]. Top-p keeps the smallest set of most
-    likely tokens (of the top-k renormalised distribution) whose mass reaches top_p; the first always
-    stays. Ties are broken by vocabulary index, as argmax does, so top_k=1 is exactly greedy.
-    """
-    V = logits_SV.shape[-1]
-    sorted_SV, order_SV = logits_SV.sort(dim=-1, descending=True, stable=True)
-    drop_SV = torch.arange(V, device=logits_SV.device) >= top_k_S[:, None]
-    sorted_p_SV = sorted_SV.masked_fill(drop_SV, -math.inf).softmax(dim=-1)
-    # drop a token once the mass before it already reaches top_p; rows with top_p = 1 skip this, since
-    # an fp32 cumsum can reach 1.0 early and would cut a tail that top_p = 1 promises to keep
-    mass_before_SV = sorted_p_SV.cumsum(dim=-1) - sorted_p_SV
-    drop_SV |= (mass_before_SV >= top_p_S[:, None]) & (top_p_S < 1)[:, None]
-    keep_SV = torch.zeros_like(drop_SV).scatter(-1, order_SV, ~drop_SV)
-    return logits_SV.masked_fill(~keep_SV, -math.inf).softmax(dim=-1)
 
 
 def sample(
