@@ -41,7 +41,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 from k3 import K3Config, K3Model, generate
 from k3.model.params import param_report
 from k3.serve.engine import EngineConfig, LLMEngine
-from k3.serve.pool import PageLayout
+from k3.serve.layout import PageLayout
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
 from k3.train.tokenizer import byte_tokenizer

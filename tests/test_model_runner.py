@@ -6,9 +6,10 @@ import dataclasses
 import pytest
 import torch
 
+from k3.serve.layout import PageLayout
 from k3.serve.model_runner import ModelRunner
 from k3.serve.plan import StepPlan, decode_row, prefill_piece
-from k3.serve.pool import PageLayout, PagePool
+from k3.serve.pool import PagePool
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import Scheduler, SchedulerConfig
 from k3.serve.sequence import Sequence

@@ -8,9 +8,10 @@ import torch
 
 from k3 import K3Config
 from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.layout import PageLayout
 from k3.serve.model_runner import ModelRunner
 from k3.serve.plan import DecodeRow, StepPlan, prefill_piece
-from k3.serve.pool import PageLayout, PagePool
+from k3.serve.pool import PagePool
 from k3.serve.prefix_cache import PrefixCache
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import Scheduler, SchedulerConfig

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from k3.config import K3Config
-from k3.serve.pool import OutOfPages, PageLayout, PagePool
+from k3.serve.layout import PageLayout
+from k3.serve.pool import OutOfPages, PagePool
 
 
 def layout(preset: str) -> PageLayout:

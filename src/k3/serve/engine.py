@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.model.model import K3Model
+from k3.serve.layout import PageLayout
 from k3.serve.model_runner import ModelRunner
 from k3.serve.plan import StepPlan
-from k3.serve.pool import PageLayout, PagePool
+from k3.serve.pool import PagePool
 from k3.serve.prefix_cache import PrefixCache
 from k3.serve.sampling import SamplingParams, sample
 from k3.serve.scheduler import Scheduler, SchedulerConfig
