@@ -3,6 +3,10 @@
 KDA layers keep a fixed-size state: S (H, K, V) in fp32 and the last kernel−1 inputs of each short
 convolution. MLA layers keep, per past token, the normalised latent c_kv (kv_lora_rank values) and
 the shared key part k_pe (qk_rope_head_dim values, no rotation): nothing per head.
+
+The layers use a small protocol, whatever the cache: KDA reads and assigns `state` / `conv`, MLA calls
+`append` and `attention_mask`. A GroupedLayerCache (the serving engine's packed step, whose page-table
+adapters live in k3.serve.paged_cache) additionally runs a layer's sequence mixing per group.
 """
 
 from abc import ABC, abstractmethod
