@@ -14,6 +14,7 @@ import pytest
 
 from k3.cli import main
 from k3.train.checkpoint import CheckpointError
+from k3.train.runinfo import RunMismatchError
 
 TRAIN = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "400", "--eval-every", "4",
          "--eval-batches", "2", "--warmup", "2", "--no-progress"]  # fmt: skip
@@ -65,6 +66,9 @@ def test_resume_refuses_a_different_config_and_a_fresh_run_refuses_old_checkpoin
     assert "already holds checkpoints" in capsys.readouterr().err
     other = [a if a != "tiny" else "small" for a in TRAIN]
     assert main(["train", *other, "--steps", "4", "--data", str(corpus), "--out", str(run), "--resume"]) == 2
+    assert "--preset: the run recorded 'tiny', now 'small'" in capsys.readouterr().err
+    assert main(["train", *other, "--steps", "4", "--data", str(corpus), "--out", str(run), "--resume",
+                 "--override"]) == 2  # fmt: skip
     assert "trained with another configuration" in capsys.readouterr().err
     assert main(["train", *TRAIN, "--steps", "4", "--out", str(tmp_path / "none"), "--resume"]) == 2
     assert "no checkpoint to resume" in capsys.readouterr().err
@@ -108,12 +112,14 @@ def test_resume_keeps_the_config_its_run_recorded_when_k3s_defaults_changed(tmp_
     # the same preset with a replaced tokenizer cannot fit the recorded vocabulary
     tokenizer = (run / "tokenizer.json").read_bytes()
     byte_tokenizer().save(run / "tokenizer.json")
-    with pytest.raises(CheckpointError, match=r"vocabulary of 300 tokens, the run's tokenizer.json 261"):
+    with pytest.raises(RunMismatchError, match=r"tokenizer.json: it was replaced after the run started"):
         Trainer(args(run, resume=True), log=lambda *a: None)
+    with pytest.raises(CheckpointError, match=r"vocabulary of 300 tokens, the run's tokenizer.json 261"):
+        Trainer(args(run, resume=True, override=True), log=lambda *a: None)
     (run / "tokenizer.json").write_bytes(tokenizer)
     # a different preset asked for now is still another model: refused, naming the fields
     with pytest.raises(CheckpointError, match=r"trained with another configuration: .*hidden_size: 64 != 256"):
-        Trainer(TrainArgs(**{**args(run, resume=True).__dict__, "preset": "small"}), log=lambda *a: None)
+        Trainer(TrainArgs(**{**args(run, resume=True, override=True).__dict__, "preset": "small"}), log=lambda *a: None)
 
 
 def test_init_then_generate(tmp_path, capsys):
@@ -139,3 +145,132 @@ def test_quickstart_and_plot(tmp_path, corpus, capsys):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["plot", str(out)]) == 0
     assert main(["plot", str(tmp_path / "missing")]) == 2
+
+
+def run_json(run: Path) -> dict:
+    return json.loads((run / "run.json").read_text())
+
+
+def test_a_folder_reused_with_other_data_is_refused_naming_the_difference(tmp_path, corpus, capsys):
+    """A run interrupted before its first checkpoint, then `--data OTHER --out SAME`: refused, naming --data
+    (no reuse of the first run's tokenizer and tokens); --override starts over on the new data, and the
+    metrics log no longer carries the first run's steps."""
+    run = tmp_path / "run"
+    base = [*TRAIN, "--steps", "2", "--out", str(run)]
+    assert main(["train", *base, "--data", str(corpus)]) == 0
+    for step in run.glob("step_*"):  # as if killed before its first checkpoint
+        import shutil
+
+        shutil.rmtree(step)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 42, "loss": 9.0}\n{"step": 43, "loss": 9.0}\n')
+    recorded = run_json(run)
+    assert recorded["data"]["path"] == str(corpus.resolve()) and len(recorded["data"]["sha256"]) == 64
+    assert recorded["flags"]["lr"] == 3e-3 and len(recorded["tokenizer_sha256"]) == 64
+    tokenizer = (run / "tokenizer.json").read_bytes()
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for i in range(60):
+        (other / f"notes_{i}.txt").write_text("".join(f"note {i}.{j}: {j * i} hi {i % 7}\n" for j in range(30)))
+    assert main(["train", *base, "--data", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"--data: the run was made from {corpus.resolve()}, now {other.resolve()}" in err and "--override" in err
+    assert (run / "tokenizer.json").read_bytes() == tokenizer and run_json(run) == recorded  # nothing touched
+
+    assert main(["train", *base, "--data", str(other), "--override"]) == 0
+    assert (run / "tokenizer.json").read_bytes() != tokenizer  # learned again from the new data
+    now = run_json(run)
+    assert now["data"]["path"] == str(other.resolve()) and now["tokenizer_sha256"] != recorded["tokenizer_sha256"]
+    assert now["history"][0]["step"] == 0 and now["history"][0]["override"][0].startswith("--data:")
+    from k3.train.plot import read_metrics
+
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+
+    # the same path with changed content is a difference too
+    (other / "notes_0.txt").write_text("changed\n" * 9)
+    assert main(["train", *[*TRAIN, "--steps", "3", "--out", str(run)], "--data", str(other), "--resume"]) == 2
+    assert "--data: the files of" in capsys.readouterr().err
+
+
+def test_resume_with_changed_flags_is_refused_and_override_makes_them_take_effect(tmp_path, corpus, capsys):
+    run = tmp_path / "run"
+    base = [*TRAIN, "--data", str(corpus), "--out", str(run)]
+    assert main(["train", *base, "--steps", "2"]) == 0
+    capsys.readouterr()
+    changed = ["--lr", "0.001", "--seed", "5", "--seq-len", "16", "--batch-size", "3"]
+    assert main(["train", *base, "--steps", "4", "--resume", *changed]) == 2
+    err = capsys.readouterr().err
+    for item in ("--lr: the run recorded 0.003, now 0.001", "--seed: the run recorded 0, now 5",
+                 "--seq-len: the run recorded 32, now 16", "--batch-size: the run recorded 2, now 3"):  # fmt: skip
+        assert item in err, item
+    assert err.count("\n") == 1  # one line
+    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+
+    from k3.cli import _train_args, build_parser
+    from k3.train.trainer import Trainer
+
+    args = _train_args(build_parser().parse_args(["train", *base, "--steps", "4", "--resume", "--override", *changed]))
+    trainer = Trainer(args, log=lambda *a: None)
+    assert trainer.train_data.seq_len == 16 and trainer.train_data.seed == 5
+    assert {g["base_lr"] for g in trainer.optimizer.param_groups} == {0.001}
+    trainer.train()
+    records = list(map(json.loads, (run / "metrics.jsonl").read_text().splitlines()))
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[2]["lr"] <= 0.001 < records[1]["lr"]  # the new peak lr scales the schedule from step 3
+    recorded = run_json(run)
+    assert recorded["flags"]["lr"] == 0.001 and recorded["flags"]["seq_len"] == 16
+    assert recorded["history"][0]["step"] == 2 and len(recorded["history"][0]["override"]) == 4
+    assert main(["train", *base, "--steps", "4", "--resume", *changed]) == 0  # now these are the run's values
+    assert "already finished 4 steps" in capsys.readouterr().out
+
+
+def test_a_killed_runs_leftovers_are_cleaned_and_a_torn_metrics_line_is_dropped(tmp_path, corpus, capsys):
+    run = tmp_path / "run"
+    base = [*TRAIN, "--data", str(corpus), "--out", str(run), "--ckpt-every", "2"]
+    assert main(["train", *base, "--steps", "2"]) == 0
+    (run / ".step_00000004.tmp").mkdir()  # a save killed before its rename, at a step never saved again
+    (run / ".step_00000004.tmp" / "model.safetensors").write_bytes(b"partial")
+    (run / ".tokenizer.json.tmp").write_bytes(b"{")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')  # a kill mid-append
+    from k3.train.plot import read_metrics
+
+    messages = []
+    assert [r["step"] for r in read_metrics(run, log=messages.append)] == [1, 2]
+    assert messages == [f"{run / 'metrics.jsonl'}: dropped a torn last line (line 3, 15 bytes) left by an "
+                        f"interrupted write"]  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", *base, "--steps", "3", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "removed 2 unfinished writes" in out and ".step_00000004.tmp" in out
+    assert f"{run / 'metrics.jsonl'}: dropped a torn last line" in out
+    assert not list(run.glob(".*"))
+    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3]
+    assert [p.name for p in run.glob("step_*")] == ["step_00000003"]  # by default only what resume needs
+
+
+def test_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path):
+    from k3.train.files import atomic_write
+
+    target = tmp_path / "tokenizer.json"
+    atomic_write(target, "old")
+
+    def torn(tmp: Path) -> None:
+        tmp.write_bytes(b"")  # the 0-byte file a kill during the first write used to leave
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(target, torn)
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["tokenizer.json"]
+
+
+def test_rerunning_a_finished_quickstart_reports_its_numbers(tmp_path, corpus, capsys):
+    out = tmp_path / "qs"
+    args = ["quickstart", *TRAIN, "--steps", "2", "--data", str(corpus), "--out", str(out), "--sample-tokens", "2"]
+    assert main(args) == 0
+    first = re.search(r"validation loss: (\S+) nats/token after 2 steps", capsys.readouterr().out).group(1)
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "already finished 2 steps" in text and "nan" not in text
+    assert re.search(r"validation loss: (\S+) nats/token after 2 steps", text).group(1) == first

@@ -24,14 +24,48 @@ def test_stdlib_corpus_is_deterministic_and_excludes_site_packages():
     assert [d.name for d in val2] == [d.name for d in val] and len(train2) == len(train)
 
 
-def test_directory_corpus_skips_files_that_are_not_utf8(tmp_path):
+def test_directory_corpus_skips_files_that_are_not_utf8_and_says_how_many(tmp_path):
     for i in range(200):
         (tmp_path / f"f{i:03d}.txt").write_text(f"document {i}\n" * 3)
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02")
-    train, val = load_corpus(tmp_path)
+    (tmp_path / "empty.txt").write_bytes(b"")
+    messages = []
+    train, val = load_corpus(tmp_path, log=messages.append)
     names = {d.name for d in train + val}
     assert len(names) == 200 and "latin1.txt" not in names and "blob.bin" not in names
+    assert messages == [f"--data {tmp_path}: skipped 2 not UTF-8 text (e.g. blob.bin, latin1.txt) and 1 empty "
+                        f"(e.g. empty.txt); using 200 files"]  # fmt: skip
+    only_empty = tmp_path / "e.txt"
+    only_empty.write_bytes(b"")
+    with pytest.raises(CorpusError, match="the file is empty"):  # empty is not "not UTF-8"
+        load_corpus(only_empty)
+    with pytest.raises(CorpusError, match="not a UTF-8 text file"):
+        load_corpus(tmp_path / "latin1.txt")
+
+
+def test_a_folder_of_few_files_still_gets_a_validation_split(tmp_path):
+    """Three files: the 2% hash split would leave validation empty (or take everything); ranked by the same
+    hash, one file is held out, the same one every time; --val-fraction and --val-data choose otherwise."""
+    for name in ("a.py", "b.py", "c.py"):
+        (tmp_path / name).write_text(f"# {name}\nx = 1\n")
+    train, val = load_corpus(tmp_path)
+    assert len(train) == 2 and len(val) == 1 and {d.name for d in train + val} == {"a.py", "b.py", "c.py"}
+    assert [d.name for d in load_corpus(tmp_path)[1]] == [val[0].name]
+    train, val = load_corpus(tmp_path, val_fraction=0.99)  # all three by hash: at most n - 1 are held out
+    assert len(train) == 1 and len(val) == 2
+    held = tmp_path.parent / "held"
+    held.mkdir()
+    (held / "v.txt").write_text("validation text\n")
+    train, val = load_corpus(tmp_path, val_data=held)
+    assert len(train) == 3 and [d.name for d in val] == ["v.txt"]
+    one = tmp_path.parent / "one"
+    one.mkdir()
+    (one / "only.py").write_text("".join(f"line {i}\n" for i in range(10)))
+    train, val = load_corpus(one, val_fraction=0.2)  # one file: split at a line boundary
+    assert train[0].text.count("\n") == 8 and val[0].text == "line 8\nline 9\n"
+    with pytest.raises(CorpusError, match="--val-fraction must be between 0 and 1"):
+        load_corpus(tmp_path, val_fraction=1.0)
 
 
 def test_single_file_and_bad_paths(tmp_path):
@@ -42,7 +76,7 @@ def test_single_file_and_bad_paths(tmp_path):
     with pytest.raises(CorpusError, match="no such file"):
         load_corpus(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CorpusError, match="need both"):
+    with pytest.raises(CorpusError, match="no UTF-8 text files in it"):
         load_corpus(tmp_path / "empty")
 
 

@@ -3,6 +3,7 @@ with Python, so the quickstart needs no download; or any directory of text files
 
 import hashlib
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,14 +22,18 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _is_val(name: str, val_percent: float) -> bool:
+def _digest(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
+def _is_val(name: str, val_fraction: float) -> bool:
     """A deterministic split by file: the same name lands on the same side on every machine."""
-    digest = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
-    return digest % 10_000 < val_percent * 100
+    return _digest(name) % 10_000 < val_fraction * 10_000
 
 
 def _read(path: Path) -> str | None:
-    """UTF-8 text, or None for a file that is not (a few stdlib test files are deliberately not)."""
+    """The file's UTF-8 text ("" for an empty file), or None for a file that is not UTF-8 text (a few
+    stdlib test files are deliberately not; a NUL byte marks a binary file)."""
     try:
         data = path.read_bytes()
         return None if b"\0" in data else data.decode("utf-8")
@@ -36,34 +41,102 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def load_corpus(data: str | Path | None = None, val_percent: float = 2.0) -> tuple[list[Document], list[Document]]:
-    """(train, validation) documents, in a deterministic order.
+def _split_lines(doc: Document, val_fraction: float) -> tuple[Document, Document]:
+    lines = doc.text.splitlines(keepends=True)
+    if len(lines) < 2:
+        raise CorpusError(f"{doc.name}: one line of text cannot be split into training and validation parts")
+    cut = min(len(lines) - 1, max(1, int(len(lines) * (1 - val_fraction))))
+    return Document(doc.name, "".join(lines[:cut])), Document(doc.name + ":val", "".join(lines[cut:]))
 
-    data None: every .py file of the standard library, site-packages excluded. A directory: every
-    UTF-8 text file below it. A single file: its text split 98/2 at a line boundary.
-    """
+
+def _read_folder(root: Path, paths: list[Path], what: str, log: Callable[[str], None] | None) -> list[Document]:
+    """The UTF-8 text files among `paths`, in name order; the others are counted and reported."""
+    docs, not_text, empty = [], [], []
+    for path in sorted(paths):
+        text = _read(path)
+        name = path.relative_to(root).as_posix()
+        if text is None:
+            not_text.append(name)
+        elif not text:
+            empty.append(name)
+        else:
+            docs.append(Document(name, text))
+    if log is not None and (not_text or empty):
+        parts = []
+        if not_text:
+            parts.append(f"{len(not_text)} not UTF-8 text (e.g. {', '.join(not_text[:3])})")
+        if empty:
+            parts.append(f"{len(empty)} empty (e.g. {', '.join(empty[:3])})")
+        log(f"{what} {root}: skipped {' and '.join(parts)}; using {len(docs)} files")
+    return docs
+
+
+def _documents(data: str | Path | None, what: str, log: Callable[[str], None] | None) -> tuple[list[Document], bool]:
+    """(documents, whether `data` is a single file)."""
     if data is None:
         root = stdlib_root()
         paths = [p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts]
-    else:
-        root = Path(data)
-        if not root.exists():
-            raise CorpusError(f"--data {root}: no such file or directory")
-        if root.is_file():
-            text = _read(root)
-            if not text:
-                raise CorpusError(f"--data {root}: not a UTF-8 text file")
-            lines = text.splitlines(keepends=True)
-            cut = max(1, int(len(lines) * (1 - val_percent / 100)))
-            return [Document(root.name, "".join(lines[:cut]))], [Document(root.name + ":val", "".join(lines[cut:]))]
-        paths = [p for p in root.rglob("*") if p.is_file()]
-    train, val = [], []
-    for path in sorted(paths):
-        text = _read(path)
+        return _read_folder(root, paths, "the standard library", log), False
+    root = Path(data)
+    if not root.exists():
+        raise CorpusError(f"{what} {root}: no such file or directory")
+    if root.is_file():
+        text = _read(root)
+        if text is None:
+            raise CorpusError(f"{what} {root}: not a UTF-8 text file")
         if not text:
-            continue
-        name = path.relative_to(root).as_posix()
-        (val if _is_val(name, val_percent) else train).append(Document(name, text))
+            raise CorpusError(f"{what} {root}: the file is empty")
+        return [Document(root.name, text)], True
+    docs = _read_folder(root, [p for p in root.rglob("*") if p.is_file()], what, log)
+    if not docs:
+        raise CorpusError(f"{what} {root}: no UTF-8 text files in it")
+    return docs, False
+
+
+def load_corpus(
+    data: str | Path | None = None,
+    val_fraction: float = 0.02,
+    val_data: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
+) -> tuple[list[Document], list[Document]]:
+    """(train, validation) documents, in a deterministic order.
+
+    data None: every .py file of the standard library, site-packages excluded. A directory: every
+    UTF-8 text file below it (the others, and empty files, are skipped and reported through `log`).
+    A single file: its text split at a line boundary.
+
+    Validation is `val_data` (a file or directory, all of it) when given; otherwise a fraction of
+    `data`: the files whose name hashes below val_fraction, the same on every machine. When that leaves
+    either side empty (a folder of a few files), the files are ranked by the same hash and the lowest
+    round(val_fraction · n) of them, at least one and at most n − 1, are validation; one file is split
+    at a line boundary.
+    """
+    if not 0 < val_fraction < 1:
+        raise CorpusError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    docs, single = _documents(data, "--data", log)
+    if val_data is not None:
+        val, _ = _documents(val_data, "--val-data", log)
+        return docs, val
+    if single or len(docs) == 1:
+        train, val = _split_lines(docs[0], val_fraction)
+        return [train], [val]
+    train = [d for d in docs if not _is_val(d.name, val_fraction)]
+    val = [d for d in docs if _is_val(d.name, val_fraction)]
     if not train or not val:
-        raise CorpusError(f"{root}: found {len(train)} training and {len(val)} validation text files; need both")
+        ranked = sorted(docs, key=lambda d: _digest(d.name))
+        k = min(len(docs) - 1, max(1, round(len(docs) * val_fraction)))
+        chosen = {d.name for d in ranked[:k]}
+        train = [d for d in docs if d.name not in chosen]
+        val = [d for d in docs if d.name in chosen]
     return train, val
+
+
+def fingerprint(docs: list[Document]) -> str:
+    """sha256 over the documents' names and texts: what a run folder records of the data it was made from."""
+    h = hashlib.sha256()
+    for d in docs:
+        for part in (d.name, d.text):
+            data = part.encode("utf-8", errors="surrogatepass")
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+    return h.hexdigest()

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from k3.train.corpus import Document
+from k3.train.files import atomic_write
 from k3.train.tokenizer import K3Tokenizer
 
 
@@ -31,9 +32,12 @@ def cached_pack(path: Path, docs: list[Document], tokenizer: K3Tokenizer) -> np.
     if path.exists():
         return np.load(path, allow_pickle=False)
     tokens = pack(docs, tokenizer)
-    tmp = path.with_suffix(".tmp.npy")
-    np.save(tmp, tokens, allow_pickle=False)
-    tmp.replace(path)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file object: np.save would add ".npy" to a name
+            np.save(f, tokens, allow_pickle=False)
+
+    atomic_write(path, write)
     return tokens
 
 

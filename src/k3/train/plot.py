@@ -1,6 +1,6 @@
 """`k3 plot RUN_DIR`: the loss curves and per-layer MaxVio of a run, as PNG files beside its log."""
 
-import json
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -8,18 +8,28 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
+from k3.train.files import atomic_write, latest_timeline, read_jsonl
 
-def read_metrics(run: Path) -> list[dict]:
+
+def read_metrics(run: Path, log: Callable[[str], None] | None = None) -> list[dict]:
+    """metrics.jsonl as the run went: a resumed run's lines replace those the interrupted run logged after
+    its checkpoint, and a torn last line (a kill mid-append) is dropped and reported through `log`."""
     path = Path(run) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path}: no metrics log (is {run} a k3 training run?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return latest_timeline(read_jsonl(path, log=log))
 
 
-def plot_run(run: str | Path) -> list[Path]:
+def _save(fig, path: Path) -> Path:
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    plt.close(fig)
+    return path
+
+
+def plot_run(run: str | Path, log: Callable[[str], None] | None = None) -> list[Path]:
     """Writes loss.png (train and validation loss) and, when logged, maxvio.png. Returns the paths."""
     run = Path(run)
-    records = read_metrics(run)
+    records = read_metrics(run, log)
     if not records:
         raise ValueError(f"{run}/metrics.jsonl is empty")
     written = []
@@ -32,9 +42,7 @@ def plot_run(run: str | Path) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(run / "loss.png", dpi=120)
-    plt.close(fig)
-    written.append(run / "loss.png")
+    written.append(_save(fig, run / "loss.png"))
 
     with_vio = [r for r in records if r.get("maxvio")]
     if with_vio:
@@ -46,7 +54,5 @@ def plot_run(run: str | Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
-        fig.savefig(run / "maxvio.png", dpi=120)
-        plt.close(fig)
-        written.append(run / "maxvio.png")
+        written.append(_save(fig, run / "maxvio.png"))
     return written

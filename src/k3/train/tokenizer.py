@@ -6,6 +6,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from k3.train.files import atomic_write
+
 EOS = "<|endoftext|>"  # document boundary
 SPECIAL_TOKENS = [EOS, "<|pad|>", "<|im_start|>", "<|im_end|>", "<|image|>"]
 
@@ -34,7 +36,8 @@ class K3Tokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
     def save(self, path: str | Path) -> None:
-        self.tok.save(str(path))
+        """tokenizer.json, written atomically: a kill mid-write leaves no empty or partial file."""
+        atomic_write(path, self.tok.to_str(pretty=True))
 
     @classmethod
     def load(cls, path: str | Path) -> "K3Tokenizer":
