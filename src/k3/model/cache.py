@@ -26,7 +26,7 @@ def causal_mask(query_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 @dataclass
 class KDALayerCache:
-    # (B, H, K, V) fp32; a decode step (one token, no autograd) updates it in place: clone it to keep a snapshot
+    # (B, H, K, V) fp32; a decode step (one token, no autograd) updates it in place: clone it to keep a copy
     state: torch.Tensor | None = None
     conv: torch.Tensor | None = None  # the last kernel−1 inputs of the q, k, v convolutions: (B, 2HK + HV, kernel−1)
 
