@@ -122,7 +122,7 @@ class Scheduler:
         """Decide the step: which requests decode, which prompt tokens are computed (split at checkpoint
         positions), which are admitted or preempted; then reserve the checkpoint pages. Changes no
         request's progress: that is `complete`'s, after the forward."""
-        batch = _Draft()
+        draft = _Draft()
         budget = self.config.max_batched_tokens
         # 1. Decodes first: a running request with its prompt computed produces one token per step.
         for seq in list(self.running):
@@ -130,31 +130,31 @@ class Scheduler:
                 continue
             if budget < 1:
                 break
-            if self._grow(seq, seq.num_tokens, batch):
-                batch.decode.append(seq)
+            if self._grow(seq, seq.num_tokens, draft):
+                draft.decode.append(seq)
                 budget -= 1
         # 2. Prefill chunks of running requests, then admissions, under what is left of the budget.
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.remaining_prefill > 1 and seq not in batch.decode:
-                budget -= self._prefill(seq, budget, batch)
+            if seq.remaining_prefill > 1 and seq not in draft.decode:
+                budget -= self._prefill(seq, budget, draft)
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if not self._admit(seq):
                 break  # keep the order: a large request is not overtaken forever by small ones
-            budget -= self._prefill(seq, budget, batch)
-        return self._plan(batch)
+            budget -= self._prefill(seq, budget, draft)
+        return self._plan(draft)
 
-    def _plan(self, batch: _Draft) -> StepPlan:
+    def _plan(self, draft: _Draft) -> StepPlan:
         """Freeze the draft. Checkpoint pages are reserved last, after every page the step's tokens need:
         a checkpoint is an optimisation and must not preempt a request."""
         prefill = []
-        for seq, start, end, phase, checkpoint in batch.prefill:
+        for seq, start, end, phase, checkpoint in draft.prefill:
             pages = self.cache.reserve_checkpoint(seq, end) if checkpoint else None
             prefill.append(prefill_piece(seq, start, end, phase, pages))
-        return StepPlan(prefill, [decode_row(s) for s in batch.decode], batch.preempted)
+        return StepPlan(prefill, [decode_row(s) for s in draft.decode], draft.preempted)
 
     def complete(self, plan: StepPlan) -> None:
         """After the plan's forward: advance each request's progress (the only place that does), commit the
@@ -204,23 +204,23 @@ class Scheduler:
         self.running.append(seq)
         return True
 
-    def _prefill(self, seq: Sequence, budget: int, batch: _Draft) -> int:
+    def _prefill(self, seq: Sequence, budget: int, draft: _Draft) -> int:
         """Schedule the next prompt tokens of seq, up to budget, as consecutive chunks split at the
         checkpoint positions they cross: the runner computes them in one forward, one after another,
         and fills the KDA checkpoint at each split without an extra pass. Returns tokens used."""
         start = seq.num_computed_tokens
         end = min(seq.num_tokens, start + budget)
-        if end <= start or not self._grow(seq, end, batch):
+        if end <= start or not self._grow(seq, end, draft):
             return 0
         cuts = []
         if self.cache is not None:
             cuts = [pos for pos in self.cache.checkpoint_positions(seq.num_prompt_tokens) if start < pos <= end]
         bounds = [start, *cuts, *([end] if not cuts or cuts[-1] < end else [])]
         for phase, (a, b) in enumerate(itertools.pairwise(bounds)):
-            batch.prefill.append((seq, a, b, phase, b in cuts))
+            draft.prefill.append((seq, a, b, phase, b in cuts))
         return end - start
 
-    def _grow(self, seq: Sequence, tokens: int, batch: _Draft) -> bool:
+    def _grow(self, seq: Sequence, tokens: int, draft: _Draft) -> bool:
         """Make seq hold latent pages for `tokens` tokens, preempting the newest other running request
         while the pool is short. False if seq itself had to be preempted."""
         need = self.layout.latent_pages(tokens) - len(seq.latent_pages)
@@ -230,16 +230,16 @@ class Scheduler:
                 return True
             except OutOfPages:
                 victim = next((s for s in reversed(self.running) if s is not seq), seq)
-                self._preempt(victim, batch)
+                self._preempt(victim, draft)
                 if victim is seq:
                     return False
         return True
 
-    def _preempt(self, seq: Sequence, batch: _Draft) -> None:
+    def _preempt(self, seq: Sequence, draft: _Draft) -> None:
         self.running.remove(seq)
-        batch.decode = [s for s in batch.decode if s is not seq]
-        batch.prefill = [c for c in batch.prefill if c[0] is not seq]
+        draft.decode = [s for s in draft.decode if s is not seq]
+        draft.prefill = [c for c in draft.prefill if c[0] is not seq]
         self.pool.release(seq.reset_for_recompute())
         self.waiting.appendleft(seq)
-        batch.preempted.append(seq)
+        draft.preempted.append(seq)
         self.num_preemptions += 1
