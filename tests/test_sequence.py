@@ -96,3 +96,20 @@ def test_append_validates_token():
     with pytest.raises(ValueError, match="token ids must be non-negative ints"):
         seq.append_token(-3, EOS)
     assert seq.output_token_ids == []
+
+
+def test_append_output_streams_text_and_stops_at_a_stop_string():
+    """The request's own text stream: detokenised per token, a possible start of a stop string held back,
+    the stop string cut and the request finished when it completes."""
+    from k3.train.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer()
+    seq = Sequence("r", [1], SamplingParams(max_tokens=20, stop=["\n\n"]), tokenizer=tok)
+    pieces = []
+    for t in tok.encode("ab\ncd\n\nef"):
+        pieces.append(seq.append_output(t))
+        if seq.is_finished:
+            break
+    assert "".join(pieces) == seq.output_text == "ab\ncd"
+    assert pieces[2] == "" and pieces[3] == "\nc"  # "\n" held back until "c" shows it starts no stop string
+    assert seq.finish_reason == FinishReason.STOP and seq.num_output_tokens == 7
