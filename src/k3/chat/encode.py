@@ -1,0 +1,72 @@
+"""Segments -> token ids for one tokenizer, and the id-level parser for the same tokenizer.
+
+Structural segments become their token ids directly; text segments are tokenized by a private copy of the
+tokenizer with special-token matching switched off, so text spelling `<|open|>` (or `<|endoftext|>`)
+stays bytes. The copy keeps the shared tokenizer's own setting untouched (it is used by other threads)."""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tokenizers import Tokenizer
+
+from k3.chat.lexer import IdLexer
+from k3.chat.parse import ChatStreamParser, merge_deltas
+from k3.chat.render import Segment, render_segments
+from k3.chat.tokens import _raw, chat_token_ids
+
+if TYPE_CHECKING:
+    from k3.train.tokenizer import K3Tokenizer
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    segments: list[Segment]
+    ids: list[int]
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.segments)
+
+
+class ChatEncoder:
+    """K3's chat format bound to one tokenizer; raises ChatFormatError when the tokenizer lacks the tokens."""
+
+    def __init__(self, tokenizer: "Tokenizer | K3Tokenizer"):
+        self.tokenizer = _raw(tokenizer)
+        self.token_ids = chat_token_ids(self.tokenizer)
+        self._structural = {s: i for i, s in self.token_ids.by_id().items()}
+        self._text = Tokenizer.from_str(self.tokenizer.to_str())
+        self._text.encode_special_tokens = True
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ordinary text -> ids; no special token can come out of it."""
+        return self._text.encode(text, add_special_tokens=False).ids
+
+    def encode_segments(self, segments: list[Segment]) -> list[int]:
+        texts = [s.text for s in segments if not s.structural]
+        encoded = iter(self._text.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
+        ids: list[int] = []
+        for s in segments:
+            if s.structural:
+                ids.append(self._structural[s.text])
+            else:
+                ids.extend(next(encoded).ids)
+        return ids
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, **options) -> RenderedChat:
+        """render_segments (same options: thinking, add_generation_prompt, thinking_effort, tool_choice,
+        response_format) and the prompt's token ids."""
+        segments = render_segments(messages, tools, **options)
+        return RenderedChat(segments, self.encode_segments(segments))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def stream_parser(self, *, thinking: bool = True, id_prefix: str | None = None) -> ChatStreamParser:
+        """A parser fed the generated token ids; `thinking` must match the prompt's."""
+        return ChatStreamParser(IdLexer(self.token_ids, self.decode), thinking=thinking, id_prefix=id_prefix)
+
+    def parse(self, ids: list[int], *, thinking: bool = True, id_prefix: str | None = None) -> dict:
+        """Non-streaming parse of generated ids: the merge of the streaming deltas."""
+        parser = self.stream_parser(thinking=thinking, id_prefix=id_prefix)
+        return merge_deltas([parser.feed(list(ids)), parser.finish()])
