@@ -56,13 +56,25 @@ def cmd_params(args: argparse.Namespace) -> int:
         if args.config is None:
             config, source = K3Config.from_preset(args.preset or "k3"), f"preset {args.preset or 'k3'}"
         else:
-            config, source = K3Config.from_hf(args.config), args.config
-    except ConfigError as e:
+            config, source = _config_of(Path(args.config)), args.config
+    except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
         print(f"k3 params: {e}", file=sys.stderr)
         return 2
     report = param_report(config, context=args.context)
     print(json.dumps(report, indent=2) if args.json else format_report(report, source))
     return 0
+
+
+def _config_of(path: Path) -> K3Config:
+    """The config of a config.json, a model folder, or a run or step folder (its meta.json; the tensors are
+    not read)."""
+    from k3.train.checkpoint import load_checkpoint
+
+    if path.is_dir() and not (path / "config.json").exists():
+        if (path / "meta.json").exists() or any(path.glob("step_*/meta.json")):
+            return load_checkpoint(path, verify=False).config
+        raise ConfigError(f"{path}: no config.json, and not a run or step folder (no meta.json)")
+    return K3Config.from_hf(path)
 
 
 QUICKSTART_PROMPT = "def fibonacci(n):\n"
@@ -90,15 +102,74 @@ def _train_args(args: argparse.Namespace, **overrides):
     return TrainArgs(**{**values, **overrides})
 
 
+RUN_ERRORS = (ValueError, OSError)  # user mistakes about a run: bad values, paths, a read-only folder
+
+
+def _run_error(command: str, error: Exception) -> int:
+    """One line for a user mistake; an OSError names its file rather than its errno."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        error = f"{error.filename}: {error.strerror}"
+    return _fail(command, error)
+
+
+def _rerun_command(args: argparse.Namespace, resume: bool, **changes) -> str:
+    """The `k3 train`/`k3 quickstart` line that repeats this one (flags that differ from the defaults), with
+    `changes` to its values."""
+    import shlex
+
+    from k3.train.trainer import TrainArgs
+
+    defaults = vars(build_parser().parse_args([args.command, "--out", args.out]))
+    parts = ["k3", args.command]
+    for f in dataclasses.fields(TrainArgs):
+        value = changes.get(f.name, getattr(args, f.name))
+        if f.name in ("resume", "override") or (f.name != "out" and value == defaults[f.name]):
+            continue
+        if f.name == "progress":
+            parts.append("--no-progress")
+        elif isinstance(value, bool):
+            if value:
+                parts.append("--" + f.name.replace("_", "-"))
+        else:
+            parts += ["--" + f.name.replace("_", "-"), shlex.quote(str(value))]
+    if resume and args.command == "train":
+        parts.append("--resume")
+    return " ".join(parts)
+
+
+def _interrupted(command: str, args: argparse.Namespace, trainer) -> int:
+    """Ctrl-C: where the run stood and the command that continues it; exit status 130 as a shell reports."""
+    step = 0 if trainer is None else trainer.step
+    saved = None if trainer is None else trainer.saved_step
+    if saved is None:
+        print(f"\nk3 {command}: interrupted at step {step}, before the first checkpoint; start again with: "
+              f"{_rerun_command(args, resume=False)}", file=sys.stderr)  # fmt: skip
+    else:
+        print(f"\nk3 {command}: interrupted at step {step}; resume with: {_rerun_command(args, resume=True)} "
+              f"(continues from step {saved}, the last checkpoint)", file=sys.stderr)  # fmt: skip
+    return EXIT_INTERRUPTED
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train (or --resume) a K3 model; checkpoints, metrics.jsonl and tokenizer.json go to --out."""
     from k3.train.trainer import Trainer
 
+    trainer = None
     try:
-        summary = Trainer(_train_args(args)).train()
-    except USER_ERRORS as e:
-        return _fail("train", e)
+        trainer = Trainer(_train_args(args))
+        summary = trainer.train()
+    except KeyboardInterrupt:
+        return _interrupted("train", args, trainer)
+    except RUN_ERRORS as e:
+        return _run_error("train", e)
     print(json.dumps({k: v for k, v in summary.items() if k != "maxvio"}))
+    import shlex
+
+    out, model = shlex.quote(args.out), shlex.quote(args.out.rstrip("/") + "-model")
+    print(f"\nnext:\n  {next_generate(args.out)}\n"
+          f"  k3 plot {out}    # loss.png and maxvio.png in the run folder\n"
+          f"  {_rerun_command(args, resume=True, steps=2 * args.steps)}    # train twice as long\n"
+          f"  k3 export --ckpt {out} --out {model}    # a model folder for k3, vLLM or SGLang")  # fmt: skip
     return 0
 
 
@@ -111,18 +182,20 @@ def cmd_init(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     try:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is a file; a checkpoint folder is a directory (choose another --out)")
         if step_dirs(out):
             raise ValueError(f"{out} already holds checkpoints; choose a new --out")
         tokenizer = byte_tokenizer()
         config = K3Config.from_preset(args.preset, vocab_size=tokenizer.vocab_size)
-    except USER_ERRORS as e:
-        return _fail("init", e)
-    torch.manual_seed(args.seed)
-    model = K3Model(config)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(out / "tokenizer.json")
-    state = {"position": 0, "tokenizer": "tokenizer.json", "init": {"preset": args.preset, "seed": args.seed}}
-    path = save_checkpoint(out, 0, model, build_optimizer(model, lr=1e-3, weight_decay=0.0), config, state)
+        torch.manual_seed(args.seed)
+        model = K3Model(config)
+        out.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(out / "tokenizer.json")
+        state = {"position": 0, "tokenizer": "tokenizer.json", "init": {"preset": args.preset, "seed": args.seed}}
+        path = save_checkpoint(out, 0, model, build_optimizer(model, lr=1e-3, weight_decay=0.0), config, state)
+    except RUN_ERRORS as e:
+        return _run_error("init", e)
     print(f"wrote {path} ({sum(p.numel() for p in model.parameters()):,} parameters, preset {args.preset})")
     return 0
 
@@ -316,10 +389,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from k3.train.plot import plot_run
 
     try:
-        for path in plot_run(args.run):
+        for path in plot_run(args.run, log=lambda line: print(line, file=sys.stderr)):
             print(f"wrote {path}")
-    except USER_ERRORS as e:
-        return _fail("plot", e)
+    except RUN_ERRORS as e:
+        return _run_error("plot", e)
     return 0
 
 
@@ -334,17 +407,20 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     out = Path(args.out)
     print(f"k3 quickstart: training the small K3 preset for {args.steps} steps on the Python standard library's "
           f"source ({args.batch_size} × {args.seq_len} tokens per step), writing to {out}/")  # fmt: skip
+    trainer = None
     try:
-        trainer = Trainer(_train_args(args, resume=bool(step_dirs(out))))
+        trainer = Trainer(_train_args(args, resume=out.is_dir() and bool(step_dirs(out))))
         n = sum(p.numel() for p in trainer.model.parameters())
         print(f"model: {n / 1e6:.1f}M parameters, {trainer.config.num_hidden_layers} layers "
               f"({trainer.config.layer_types.count('kda')} KDA + {trainer.config.layer_types.count('mla')} MLA), "
               f"{trainer.train_data.num_sequences * args.seq_len / 1e6:.1f}M training tokens")  # fmt: skip
         summary = trainer.train()
         llm = LLM(str(out), memory_budget=64 << 20)
-    except USER_ERRORS as e:
-        return _fail("quickstart", e)
-    print(f"\nvalidation loss: {summary.get('val_loss', float('nan')):.3f} nats/token after {trainer.step} steps")
+    except KeyboardInterrupt:
+        return _interrupted("quickstart", args, trainer)
+    except RUN_ERRORS as e:
+        return _run_error("quickstart", e)
+    print(f"\nvalidation loss: {summary['val_loss']:.3f} nats/token after {trainer.step} steps")
     sample = llm.generate(QUICKSTART_PROMPT, _sampling(args.sample_tokens, seed=0))[0]
     rule = "-" * 60
     print(f"\nsample (temperature 0.8, top-p 0.95, seed 0):\n{rule}\n{QUICKSTART_PROMPT}{sample.text}\n{rule}")
@@ -385,20 +461,30 @@ def _serve_demo(llm, max_tokens: int, requests: int = 8) -> None:
     print(llm.engine.describe().splitlines()[0])
 
 
+TRAIN_CHOICES = {"preset": sorted(PRESETS), "schedule": ["cosine", "wsd"], "balancer": ["quantile", "fixed", "none"]}
+
+
 def _add_train_flags(p: argparse.ArgumentParser, **defaults) -> None:
+    """One flag per TrainArgs field, its help line from the field's metadata with the default shown."""
     from k3.train.trainer import TrainArgs
 
     for f in dataclasses.fields(TrainArgs):
         default = defaults.get(f.name, f.default)
         flag = "--" + f.name.replace("_", "-")
+        text = f.metadata["help"].replace("%", "%%")
         if f.name == "progress":
-            continue
-        if f.type is bool:
-            p.add_argument(flag, action="store_true", default=default)
+            p.add_argument("--no-progress", dest="progress", action="store_false", default=default,
+                           help="no progress bar (default: a progress bar on stderr)")  # fmt: skip
+        elif f.type is bool:
+            p.add_argument(flag, action="store_true", default=default, help=f"{text} (default: off)")
+        elif default is dataclasses.MISSING:
+            p.add_argument(flag, required=True, help=f"{text} (required)")
         else:
             kind = f.type if f.type in (int, float) else str
-            p.add_argument(flag, type=kind, default=default, required=default is dataclasses.MISSING)
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+            shown = " (default: %(default)s)" if default is not None else ""
+            shown = shown or ("" if "default" in text else " (default: none)")
+            p.add_argument(flag, type=kind, default=default, help=text + shown,
+                           **({"choices": TRAIN_CHOICES[f.name]} if f.name in TRAIN_CHOICES else {}))  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -410,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     params = sub.add_parser("params", help="count parameters by component; FLOPs, cache and state sizes")
     which = params.add_mutually_exclusive_group()
     which.add_argument("--preset", choices=sorted(PRESETS), help="a named configuration (default: k3)")
-    which.add_argument("--config", help="an official config.json, or the folder holding it")
+    which.add_argument("--config", help="an official config.json, the model folder holding it, or a run or step folder")
     params.add_argument(
         "--context",
         type=_context,
@@ -426,13 +512,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     quick = sub.add_parser("quickstart", help="train a small K3 for a few minutes, sample from it, plot the run")
     _add_train_flags(quick, out="runs/quickstart", steps=QUICKSTART_STEPS, eval_every=25, ckpt_every=50)
-    quick.add_argument("--sample-tokens", type=int, default=120)
+    quick.add_argument("--sample-tokens", type=int, default=120,
+                       help="tokens sampled, and generated per served request (default: %(default)s)")  # fmt: skip
     quick.set_defaults(func=cmd_quickstart)
 
     init = sub.add_parser("init", help="write a randomly initialised checkpoint with a byte-level tokenizer")
-    init.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    init.add_argument("--out", required=True)
-    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model configuration (default: tiny)")
+    init.add_argument("--out", required=True, help="the folder to write (required; must hold no checkpoint)")
+    init.add_argument("--seed", type=int, default=0, help="seed of the initialisation (default: 0)")
     init.set_defaults(func=cmd_init)
 
     gen = sub.add_parser("generate", help="continue a prompt with a checkpoint")
