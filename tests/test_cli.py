@@ -172,3 +172,18 @@ def test_ctrl_c_in_train_says_where_and_how_to_resume(tmp_path, small_corpus):
     command = line.split("resume with: ")[1].split(" (continues from step")[0]
     assert "--resume" in command and main(shlex.split(command)[1:]) == 0
     assert max(json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()) == 40
+
+
+def test_tensorboard_logs_next_to_the_metrics_when_installed(tmp_path, small_corpus):
+    pytest.importorskip("torch.utils.tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "r"
+    args = ["--steps", "3", "--data", str(small_corpus), "--out", str(run), "--tensorboard"]
+    assert main(["train", *TINY_TRAIN, *args]) == 0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([r["loss"] for r in logged], rel=1e-6)
+    assert [e.step for e in events.Scalars("val_loss")] == [3] and "maxvio/moe_layer_1" in events.Tags()["scalars"]
