@@ -208,8 +208,8 @@ def test_generate_and_init_from_take_the_exported_folder(run, tmp_path, capsys):
     assert (tmp_path / "ft" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
     trainer.train()
     assert main(["train", "--out", str(tmp_path / "ft"), "--init-from", str(out), "--data", str(corpus),
-                 "--batch-size", "2", "--seq-len", "16", "--steps", "3", "--eval-batches", "1", "--resume",
-                 "--no-progress"]) == 0  # fmt: skip
+                 "--batch-size", "2", "--seq-len", "16", "--steps", "3", "--eval-batches", "1", "--warmup", "1",
+                 "--resume", "--no-progress"]) == 0  # fmt: skip
     capsys.readouterr()
     assert main(["train", "--out", str(tmp_path / "ft2"), "--init-from", str(tmp_path / "nowhere"),
                  "--no-progress"]) == 2  # fmt: skip

@@ -274,3 +274,17 @@ def test_rerunning_a_finished_quickstart_reports_its_numbers(tmp_path, corpus, c
     text = capsys.readouterr().out
     assert "already finished 2 steps" in text and "nan" not in text
     assert re.search(r"validation loss: (\S+) nats/token after 2 steps", text).group(1) == first
+
+
+def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_says_so(tmp_path, corpus, capsys):
+    run = tmp_path / "run"
+    base = [*TRAIN, "--data", str(corpus), "--out", str(run), "--ckpt-every", "2", "--keep-last", "2"]
+    assert main(["train", *base, "--steps", "4"]) == 0
+    unbroken = losses(run)
+    (run / "step_00000004" / "meta.json").write_text("[]")
+    capsys.readouterr()
+    assert main(["train", *base, "--steps", "4", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "loading the older step_00000002 (step 2) because" in out and "step_00000004/meta.json: a JSON list" in out
+    assert "resumed from" in out and "at step 2" in out
+    assert losses(run) == unbroken  # steps 3 and 4 redone, bitwise

@@ -148,9 +148,11 @@ def _check_paths(args: TrainArgs) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; a run folder is a directory (choose another --out)")
-    for flag, value in (("--data", args.data), ("--val-data", args.val_data), ("--init-from", args.init_from)):
+    for flag, value in (("--data", args.data), ("--val-data", args.val_data)):
         if value is not None and not Path(value).exists():
             raise FileNotFoundError(f"{flag} {value}: no such file or directory")
+    if args.init_from is not None and not Path(args.init_from).exists():
+        raise FileNotFoundError(f"--init-from {args.init_from}: no such checkpoint, run or model folder")
     has_checkpoints = out.is_dir() and bool(step_dirs(out))
     if args.resume and not has_checkpoints:
         raise CheckpointError(f"--resume: {out} has no checkpoint to resume from")
