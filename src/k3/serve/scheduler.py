@@ -7,6 +7,11 @@ normally finish without running out of pages; if they do (reservation below 1, o
 checkpoints in between), the newest running request is preempted: its pages are released and it
 is recomputed from its tokens later. The pool is never exceeded: every page comes from
 PagePool.allocate, which refuses rather than overcommits.
+
+Progress is guaranteed whatever the reservation: a request is refused unless its prompt and all of its
+max_tokens fit the pool alone, and the victim of a preemption is always the newest running request
+(the one asking, if it is the newest), so the oldest running request is never preempted by another and,
+once the others are gone, has every page it can need. It finishes; then the next oldest does.
 """
 
 import itertools
@@ -58,18 +63,22 @@ class Scheduler:
         self.num_preemptions = 0
 
     def pages_needed(self, seq: Sequence) -> int:
-        """Pages the whole request may hold: KDA states + latents of its prompt and reserved output."""
+        """Pages the request reserves: KDA states + latents of its prompt and reserved output, or of every
+        token it has (a preempted request recomputes its output too), whichever is more."""
         reserved = math.ceil(seq.params.max_tokens * self.config.reserve_output_fraction)
-        return self.layout.n_kda + self.layout.latent_pages(seq.num_prompt_tokens + reserved)
+        return self.layout.n_kda + self.layout.latent_pages(max(seq.num_tokens, seq.num_prompt_tokens + reserved))
 
     def _outstanding(self) -> int:
         """Pages running requests may still claim under their reservation."""
         return sum(max(0, self.pages_needed(s) - len(s.latent_pages) - len(s.state_pages)) for s in self.running)
 
     def check_fits(self, seq: Sequence) -> None:
-        if self.pages_needed(seq) > self.pool.num_pages:
+        """Refuse a request that could not finish even alone in the pool: its prompt and all of its max_tokens,
+        whatever the reservation (a request admitted on a smaller reservation must still be able to finish)."""
+        need = self.layout.n_kda + self.layout.latent_pages(seq.num_prompt_tokens + seq.params.max_tokens)
+        if need > self.pool.num_pages:
             raise ValueError(
-                f"request {seq.request_id} needs {self.pages_needed(seq)} pages ({seq.num_prompt_tokens} prompt + "
+                f"request {seq.request_id} needs {need} pages ({seq.num_prompt_tokens} prompt + "
                 f"{seq.params.max_tokens} max tokens) but the pool has {self.pool.num_pages}: shorten it"
             )
 
@@ -221,15 +230,16 @@ class Scheduler:
         return end - start
 
     def _grow(self, seq: Sequence, tokens: int, draft: _Draft) -> bool:
-        """Make seq hold latent pages for `tokens` tokens, preempting the newest other running request
-        while the pool is short. False if seq itself had to be preempted."""
+        """Make seq hold latent pages for `tokens` tokens, preempting the newest running request while the
+        pool is short. That is seq itself when seq is the newest: a newer request never takes pages from an
+        older one (which would let two requests preempt each other forever). False if seq was preempted."""
         need = self.layout.latent_pages(tokens) - len(seq.latent_pages)
         while need > 0:
             try:
                 seq.latent_pages += self.pool.allocate(need)
                 return True
             except OutOfPages:
-                victim = next((s for s in reversed(self.running) if s is not seq), seq)
+                victim = self.running[-1]
                 self._preempt(victim, draft)
                 if victim is seq:
                     return False
