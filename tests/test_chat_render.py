@@ -6,7 +6,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers, trainers
 
 from k3.chat import (
     CHAT_SPECIAL_TOKENS,
@@ -17,7 +17,7 @@ from k3.chat import (
     render_text,
     with_chat_tokens,
 )
-from k3.train.tokenizer import byte_tokenizer
+from k3.train.tokenizer import BASE_SPECIAL_TOKENS, K3Tokenizer, _empty_bpe, byte_tokenizer
 
 O, C, S, E = CHAT_SPECIAL_TOKENS[0], CHAT_SPECIAL_TOKENS[1], CHAT_SPECIAL_TOKENS[2], CHAT_SPECIAL_TOKENS[3]
 WEATHER = {
@@ -136,8 +136,24 @@ def test_requests_the_format_cannot_express_raise_a_chat_format_error(messages, 
         render_segments(messages, **options)
 
 
+def pre_chat_tokenizer() -> K3Tokenizer:
+    """A byte tokenizer as k3 trained them before the chat tokens existed: it still loads."""
+    tok = _empty_bpe()
+    base = BASE_SPECIAL_TOKENS
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=256 + len(base), special_tokens=base, initial_alphabet=alphabet)
+    tok.train_from_iterator([], trainer)
+    return K3Tokenizer(tok)
+
+
+def test_k3_tokenizers_carry_the_chat_tokens_and_older_ones_still_load():
+    assert byte_tokenizer().has_chat_tokens
+    assert len({*chat_token_ids(byte_tokenizer()).by_id()}) == 4
+    assert not pre_chat_tokenizer().has_chat_tokens
+
+
 def test_chat_token_ids_and_a_clear_error_without_them():
-    plain = byte_tokenizer()
+    plain = pre_chat_tokenizer()
     with pytest.raises(ChatFormatError, match=r"this tokenizer has no chat tokens: <\|open\|>, <\|close\|>"):
         chat_token_ids(plain)
     with pytest.raises(ChatFormatError, match="no chat tokens"):

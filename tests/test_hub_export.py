@@ -12,6 +12,7 @@ from safetensors import safe_open
 from k3.cli import main
 from k3.hub import ModelFolderError, export_model, load_pretrained, parse_size, read_header
 from k3.quant.mx import pack_mxfp4, unpack_mxfp4
+from k3.train.tokenizer import SPECIAL_TOKENS
 
 IDS = torch.tensor([[3, 70, 101, 9, 250, 44, 12, 0, 200, 17, 5, 66, 31]])
 
@@ -202,7 +203,7 @@ def test_generate_and_init_from_take_the_exported_folder(run, tmp_path, capsys):
                      steps=2, eval_every=2, eval_batches=1, warmup=1, progress=False)  # fmt: skip
     trainer = Trainer(args, log=lambda *a: None)
     source = load_pretrained(run).model
-    assert trainer.config.hidden_size == 64 and trainer.tokenizer.vocab_size == 261
+    assert trainer.config.hidden_size == 64 and trainer.tokenizer.vocab_size == 256 + len(SPECIAL_TOKENS)
     for (name, a), b in zip(trainer.model.state_dict().items(), source.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert (tmp_path / "ft" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()

@@ -13,11 +13,12 @@ from safetensors.torch import save_file
 
 from k3 import LLM, K3Config, K3Model, SamplingParams
 from k3.hub import ModelFolderError, ReadStats, load_model_folder, read_header
-from k3.train.tokenizer import byte_tokenizer
+from k3.train.tokenizer import SPECIAL_TOKENS, byte_tokenizer
 
 # A tiny K3 in the official config.json nesting; layers 1-3 KDA, 4-5 MLA, layer 1 dense.
 TEXT = {
-    "vocab_size": 261, "hidden_size": 64, "num_hidden_layers": 5, "num_attention_heads": 2, "num_key_value_heads": 2,
+    "vocab_size": 256 + len(SPECIAL_TOKENS), "hidden_size": 64, "num_hidden_layers": 5, "num_attention_heads": 2,
+    "num_key_value_heads": 2,
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
     "mla_use_nope": True, "mla_use_output_gate": True, "hidden_act": "situ", "activation_situ_beta": 4.0,
     "activation_situ_linear_beta": 25.0, "intermediate_size": 96, "first_k_dense_replace": 1, "num_experts": 4,

@@ -6,10 +6,14 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from k3.chat.tokens import CHAT_SPECIAL_TOKENS
 from k3.train.files import atomic_write
 
 EOS = "<|endoftext|>"  # document boundary
-SPECIAL_TOKENS = [EOS, "<|pad|>", "<|im_start|>", "<|im_end|>", "<|image|>"]
+BASE_SPECIAL_TOKENS = [EOS, "<|pad|>", "<|im_start|>", "<|im_end|>", "<|image|>"]
+# K3's chat format's structural tokens (k3.chat) come after: tokenizers trained before they existed
+# still load, and the chat endpoint then says the tokenizer has no chat format.
+SPECIAL_TOKENS = [*BASE_SPECIAL_TOKENS, *CHAT_SPECIAL_TOKENS]
 
 
 class K3Tokenizer:
@@ -17,10 +21,15 @@ class K3Tokenizer:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tok = tokenizer
-        missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
+        missing = [t for t in BASE_SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
         if missing:
             raise ValueError(f"tokenizer lacks the special tokens {missing}")
         self.eos_id = tokenizer.token_to_id(EOS)
+
+    @property
+    def has_chat_tokens(self) -> bool:
+        """Whether K3's chat format can be rendered with this tokenizer (k3.chat)."""
+        return all(self.tok.token_to_id(t) is not None for t in CHAT_SPECIAL_TOKENS)
 
     @property
     def vocab_size(self) -> int:
