@@ -32,6 +32,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     hash_block_pages: int = 1  # prefix-cache unit, in latent pages (page_tokens tokens each)
     checkpoint_interval_units: int = 4  # store a KDA checkpoint every this many units (and at prompt ends)
+    max_model_len: int | None = None  # the context, prompt + max_tokens; None: the model's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -49,6 +50,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    error: str | None = None  # why a request failed (finish_reason "error", set by k3.serve.async_engine)
 
 
 class LLMEngine:
@@ -71,6 +73,11 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}  # every request not yet finished or aborted, and its state
         self._ids = itertools.count()
         self.eos_id = getattr(tokenizer, "eos_id", None)
+        limit = model.config.max_position_embeddings
+        if config.max_model_len is not None and not 1 <= config.max_model_len <= limit:
+            raise ValueError(f"max_model_len {config.max_model_len} must be in [1, {limit}] (max_position_embeddings)")
+        self.max_model_len = config.max_model_len or limit
+        self.last_plan: StepPlan | None = None  # the plan of the step running or last run; None if schedule failed
         log.info("k3 engine: %s", self.pool.describe())
 
     def describe(self) -> str:
@@ -92,6 +99,12 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if max(ids, default=0) >= self.model.config.vocab_size:
             raise ValueError(f"token id {max(ids)} is outside the vocabulary ({self.model.config.vocab_size})")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"the prompt's {len(ids):,} tokens + max_tokens {params.max_tokens:,} = {total:,} exceed the "
+                f"context of {self.max_model_len:,} tokens; shorten the prompt or lower max_tokens"
+            )
         seq = Sequence(request_id, ids, params, device=self.pool.storage.device, tokenizer=self.tokenizer)
         self.scheduler.add(seq)  # may raise Overloaded or ValueError; nothing is stored then
         self.seqs[request_id] = seq
@@ -113,7 +126,8 @@ class LLMEngine:
         """schedule → run → postprocess. The plan says what the forward computes; the forward fills the
         KDA checkpoints the plan reserved; `complete` advances progress and commits them."""
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        self.last_plan = None
+        plan = self.last_plan = self.scheduler.schedule()
         try:
             logits = self.runner.run(plan)
         except BaseException:

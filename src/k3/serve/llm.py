@@ -1,11 +1,17 @@
-"""The offline interface: `LLM(model=path).generate(prompts, SamplingParams(...))`, and a streaming iterator."""
+"""The offline interface: `LLM(model=path).generate(prompts, SamplingParams(...))`, and a streaming iterator.
 
+Both go through one AsyncEngine (its loop thread owns the engine), so streams and generate calls can be
+interleaved, or run from several threads, each request reading only its own outputs.
+"""
+
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from k3.serve.async_engine import AsyncEngine, RequestHandle
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
@@ -34,6 +40,9 @@ class LLM:
     keeps the routed experts packed in memory and computes from them (a packed folder's bytes as they are;
     dense weights packed at load), 128/17 ≈ 7.5x fewer resident expert bytes than fp32.
     Other keywords go to SchedulerConfig. `ckpt=` is the older keyword for the path.
+
+    The engine's step loop runs on a background thread (k3.serve.async_engine), started at the first
+    request and stopped by close(), at `with LLM(...) as llm:`'s end, or when the LLM is garbage-collected.
     """
 
     def __init__(self, model: str | Path | None = None, memory_budget: int | None = None,
@@ -54,6 +63,19 @@ class LLM:
         weights, self.tokenizer = load_for_inference(model if ckpt is None else ckpt, device=device, dtype=dtype,
                                                      text_only=text_only, quantization=quantization)  # fmt: skip
         self.engine = LLMEngine(weights, self.tokenizer, config)
+        self.async_engine = AsyncEngine(self.engine)
+        # the loop thread holds the engine, not this object: collecting the LLM stops the loop
+        self._finalizer = weakref.finalize(self, self.async_engine.shutdown, 0)
+
+    def close(self) -> None:
+        """Abort what is still running and stop the engine's loop thread; the LLM takes no more requests."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:  # fmt: skip
@@ -63,40 +85,48 @@ class LLM:
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        ids = []
+        handles: list[RequestHandle] = []
         try:
             for p, sp in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(p, sp))
-        except Exception:
-            for request_id in ids:  # all or nothing: a bad prompt leaves no earlier one queued
-                self.engine.abort(request_id)
+                handles.append(self.async_engine.submit(p, sp))
+            done = [self._collect(h, p) for h, p in zip(handles, prompts, strict=True)]
+        except BaseException:
+            # all or nothing: a bad prompt, an error or Ctrl-C leaves no request of this call in the engine
+            _cancel_and_wait(handles)
             raise
-        done: dict[str, Completion] = {}
-        texts = {i: [] for i in ids}
-        tokens = {i: [] for i in ids}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                texts[out.request_id].append(out.new_text)
-                tokens[out.request_id] += out.new_token_ids
-                if out.finished:
-                    done[out.request_id] = Completion(
-                        out.request_id, None, "".join(texts[out.request_id]), tokens[out.request_id],
-                        out.finish_reason, out.num_prompt_tokens, out.num_cached_tokens,
-                    )  # fmt: skip
-        return [Completion(**{**done[i].__dict__, "prompt": p}) for i, p in zip(ids, prompts, strict=True)]
+        return done
+
+    def _collect(self, handle: RequestHandle, prompt: str | list[int]) -> Completion:
+        text, tokens, out = [], [], None
+        for out in handle:
+            text.append(out.new_text)
+            tokens += out.new_token_ids
+        if out.finish_reason == "error":
+            raise RuntimeError(f"request {handle.request_id} failed in the engine: {out.error}")
+        return Completion(handle.request_id, prompt, "".join(text), tokens, out.finish_reason,
+                          out.num_prompt_tokens, out.num_cached_tokens)  # fmt: skip
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one request as it is generated (other queued requests advance too)."""
-        request_id = self.engine.add_request(prompt, params)
+        """Yield the text of one request as it is generated. Other requests (other streams, generate calls)
+        advance meanwhile, each with its own outputs; a consumer that stops early frees the request's pages."""
+        handle = self.async_engine.submit(prompt, params)
         try:
-            while True:
-                finished = False
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        if out.new_text:
-                            yield out.new_text
-                        finished = out.finished
-                if finished or request_id not in self.engine.seqs:
-                    return
+            for out in handle:
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"request {handle.request_id} failed in the engine: {out.error}")
+                if out.new_text:
+                    yield out.new_text
         finally:
-            self.engine.abort(request_id)  # a consumer that stops early frees the request's pages
+            _cancel_and_wait([handle])
+
+
+CANCEL_WAIT_S = 60.0  # how long a cancelled request may take to be freed: the loop frees it after its current step
+
+
+def _cancel_and_wait(handles: list[RequestHandle]) -> None:
+    """Cancel the unfinished handles and wait until the engine has freed them, so that when the caller
+    returns (or raises) none of its requests holds a page."""
+    for handle in handles:
+        handle.cancel()
+    for handle in handles:
+        handle.wait(CANCEL_WAIT_S)
