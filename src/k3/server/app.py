@@ -1,0 +1,230 @@
+"""The OpenAI-compatible HTTP server over one AsyncEngine: FastAPI routes, thin. Requests are checked
+(`params.py`), submitted (`run.py`) and answered as JSON or as an SSE stream; errors in OpenAI's shape
+(`errors.py`); limits (`limits.py`), the API key and shutdown (`guard.py`); Prometheus metrics (`metrics.py`)."""
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from k3.chat import ChatEncoder, ChatFormatError
+from k3.server.chat_stream import ChatChoice
+from k3.server.errors import APIError, error_body, install_error_handlers
+from k3.server.guard import Guard, ServerState
+from k3.server.limits import ServerLimits
+from k3.server.metrics import ServerMetrics
+from k3.server.params import (
+    Submission,
+    chat_max_tokens,
+    check_common,
+    completion_prompts,
+    completion_submissions,
+    sampling_params,
+    stop_strings,
+)
+from k3.server.protocol import ChatCompletionRequest, ChatTemplateKwargs, CompletionRequest
+from k3.server.run import Run
+from k3.server.sse import DONE, sse_event
+
+log = logging.getLogger("k3.server")
+
+
+@dataclass
+class Server:
+    """What the routes share: the engine, the served name, the limits, the chat format (or why there is none)."""
+
+    engine: object  # k3.serve.async_engine.AsyncEngine, started
+    model_name: str
+    limits: ServerLimits
+    metrics: ServerMetrics
+    state: ServerState
+    chat: ChatEncoder | None
+    chat_error: str | None
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.model.config.vocab_size
+
+
+def create_app(engine, model_name: str, limits: ServerLimits, api_key: str | None = None,
+               state: ServerState | None = None) -> FastAPI:  # fmt: skip
+    """The ASGI app over a started AsyncEngine. The caller owns the engine (starts and shuts it down) and
+    sets `state.draining` when shutdown begins."""
+    try:
+        chat, chat_error = ChatEncoder(engine.engine.tokenizer), None
+    except (ChatFormatError, TypeError) as e:
+        chat, chat_error = None, f"this model's tokenizer has no chat format: {e}"
+    srv = Server(engine, model_name, limits, ServerMetrics(engine.stats), state or ServerState(), chat, chat_error)
+    app = FastAPI(title="k3", version="1", summary="Kimi K3 behind an OpenAI-compatible API")
+    app.state.server = srv
+    install_error_handlers(app)
+    _routes(app, srv)
+    app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, api_key=api_key, state=srv.state)
+    return app
+
+
+@asynccontextmanager
+async def _cancel_on_disconnect(request: Request, run: Run):
+    """A non-streaming request whose client goes away is cancelled too (streams are cancelled by Starlette)."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        run.cancel()
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+        run.cancel()
+
+
+def _sse(events, run: Run) -> StreamingResponse:
+    async def body():
+        try:
+            async for event in events:
+                yield event
+        except Exception as e:  # the stream has begun (status 200 sent): the error travels as an event
+            log.exception("k3 server: stream %s failed", run.id)
+            yield sse_event(error_body(500, f"generation failed ({type(e).__name__}: {e})"))
+        finally:
+            run.cancel()  # a client gone mid-stream lands here (Starlette cancels the body): free its requests
+        yield DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _routes(app: FastAPI, srv: Server) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if srv.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        # the engine's snapshot is taken between two steps: waited for in a thread, not on the event loop
+        return Response(
+            await asyncio.to_thread(srv.metrics.render), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": srv.model_name, "object": "model", "created": 0, "owned_by": "k3",
+                "max_model_len": srv.limits.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_common(body, srv.model_name, srv.limits)
+        prompts = completion_prompts(body, srv.tokenizer.encode, srv.vocab_size, srv.limits)
+        run = Run(srv.engine, srv.metrics, "cmpl")
+        await run.submit(completion_submissions(body, prompts, srv.limits))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+            out = {"id": run.id, "object": "text_completion", "created": run.created, "model": srv.model_name,
+                   "choices": choices}  # fmt: skip
+            if include_usage:
+                out["usage"] = usage
+            return out
+
+        if body.stream:
+
+            async def events():
+                async for i, out in run.outputs():
+                    if out.new_text or out.finished:
+                        reason = out.finish_reason if out.finished else None
+                        yield sse_event(chunk([{"index": i, "text": out.new_text, "logprobs": None,
+                                                "finish_reason": reason}]))  # fmt: skip
+                if include_usage:
+                    yield sse_event(chunk([], run.usage()))
+
+            return _sse(events(), run)
+        texts: dict[int, list[str]] = {i: [] for i in run.choices}
+        async with _cancel_on_disconnect(request, run):
+            async for i, out in run.outputs():
+                texts[i].append(out.new_text)
+        choices = [{"index": i, "text": "".join(texts[i]), "logprobs": None,
+                    "finish_reason": run.choices[i].finish_reason} for i in sorted(texts)]  # fmt: skip
+        return {"id": run.id, "object": "text_completion", "created": run.created, "model": srv.model_name,
+                "choices": choices, "usage": run.usage()}  # fmt: skip
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_common(body, srv.model_name, srv.limits)
+        if srv.chat is None:
+            raise APIError(400, srv.chat_error, param="messages", code="no_chat_format")
+        options = body.chat_template_kwargs or ChatTemplateKwargs()
+        try:
+            rendered = srv.chat.render(
+                [m.model_dump(exclude_none=True) for m in body.messages],
+                [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+                thinking=options.thinking,
+                thinking_effort=options.thinking_effort or body.reasoning_effort,
+                tool_choice=body.tool_choice,
+                response_format=body.response_format,
+            )
+        except ChatFormatError as e:
+            raise APIError(400, str(e), param="messages") from None
+        ids = rendered.ids
+        if max(ids, default=0) >= srv.vocab_size:
+            raise APIError(400, f"the chat tokens' ids reach {max(ids)}; the model has {srv.vocab_size} tokens",
+                           param="messages", code="no_chat_format")  # fmt: skip
+        max_tokens = chat_max_tokens(body, len(ids), srv.limits)
+        end = (srv.chat.token_ids.end_of_msg,)
+        # stop strings apply to the parsed content, not to the raw token stream (which carries the structure)
+        subs = [Submission(j, 0, ids, sampling_params(body, max_tokens, j, (), end)) for j in range(body.n)]
+        run = Run(srv.engine, srv.metrics, "chatcmpl")
+        await run.submit(subs)
+        stop = stop_strings(body)
+        parsed = {j: ChatChoice(srv.chat, options.thinking, stop) for j in run.choices}
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def advance(j: int, out) -> tuple[dict, str | None] | None:
+            choice = parsed[j]
+            if choice.done:
+                return None  # output after a stop string ended this choice
+            delta = choice.feed(out.new_token_ids, out.finished)
+            if choice.stopped and not out.finished:
+                run.choices[j].handle.cancel()
+            return delta.to_openai(), choice.finish_reason(out.finish_reason) if choice.done else None
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+            out = {"id": run.id, "object": "chat.completion.chunk", "created": run.created,
+                   "model": srv.model_name, "choices": choices}  # fmt: skip
+            if include_usage:
+                out["usage"] = usage
+            return out
+
+        if body.stream:
+
+            async def events():
+                first = {"role": "assistant", "content": ""}
+                yield sse_event(chunk([{"index": j, "delta": first, "logprobs": None, "finish_reason": None}
+                                       for j in sorted(run.choices)]))  # fmt: skip
+                async for j, out in run.outputs():
+                    step = advance(j, out)
+                    if step is not None and (step[0] or step[1]):
+                        yield sse_event(chunk([{"index": j, "delta": step[0], "logprobs": None,
+                                                "finish_reason": step[1]}]))  # fmt: skip
+                if include_usage:
+                    yield sse_event(chunk([], run.usage()))
+
+            return _sse(events(), run)
+        async with _cancel_on_disconnect(request, run):
+            async for j, out in run.outputs():
+                advance(j, out)
+        choices = [{"index": j, "message": parsed[j].message(), "logprobs": None,
+                    "finish_reason": parsed[j].finish_reason(run.choices[j].finish_reason)}
+                   for j in sorted(run.choices)]  # fmt: skip
+        return {"id": run.id, "object": "chat.completion", "created": run.created, "model": srv.model_name,
+                "choices": choices, "usage": run.usage()}  # fmt: skip

@@ -1,0 +1,135 @@
+"""A validated request body -> what the engine is asked: prompt token ids and one SamplingParams per choice.
+Every check whose answer depends on the server's limits or the model is here, each failing with a 400 that
+names the parameter; parameters the engine cannot honour are refused by name rather than ignored."""
+
+from dataclasses import dataclass
+
+from k3.serve.sampling import SamplingParams
+from k3.server.errors import APIError
+from k3.server.limits import DEFAULT_MAX_TOKENS, ServerLimits
+from k3.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One choice to generate: `index` is its OpenAI choice index (prompt i, choice j -> i * n + j)."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def _unsupported(param: str, why: str) -> APIError:
+    return APIError(400, f"{param} is not supported by this server: {why}", param=param, code="unsupported_parameter")
+
+
+def check_common(body: CompletionRequest | ChatCompletionRequest, model_name: str, limits: ServerLimits) -> None:
+    if body.model != model_name:
+        raise APIError(400, f"model {body.model!r} is not served here; this server serves {model_name!r} "
+                       "(GET /v1/models)", param="model", code="model_not_found")  # fmt: skip
+    if body.n > limits.max_n:
+        raise APIError(400, f"n={body.n} exceeds the server's limit of {limits.max_n} choices (--max-n)", param="n")
+    for param in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, param):  # 0 and null mean off, which is what the engine does
+            raise _unsupported(param, "the engine samples without penalties; send 0 or leave it out")
+    if body.logit_bias:
+        raise _unsupported("logit_bias", "the engine does not bias logits; leave it out")
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > limits.max_stop_strings:
+        raise APIError(400, f"{len(stops)} stop strings; at most {limits.max_stop_strings}", param="stop")
+    if any(not s for s in stops):
+        raise APIError(400, "stop strings must be non-empty", param="stop")
+
+
+def stop_strings(body: CompletionRequest | ChatCompletionRequest) -> tuple[str, ...]:
+    return (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+
+
+def max_tokens_for(requested: int | None, param: str, prompt_tokens: int, limits: ServerLimits,
+                   default: int | None) -> int:  # fmt: skip
+    """The output budget of one prompt: the request's, or the default capped by what the context leaves."""
+    room = limits.max_model_len - prompt_tokens
+    if room < 1:
+        raise APIError(400, f"the prompt has {prompt_tokens:,} tokens; the context is {limits.max_model_len:,} "
+                       "(--max-model-len), which leaves no room to generate: shorten the prompt",
+                       param="messages" if param == "max_completion_tokens" else "prompt",
+                       code="context_length_exceeded")  # fmt: skip
+    if requested is None:
+        return min(limits.max_tokens, room, default if default is not None else room)
+    if requested > limits.max_tokens:
+        raise APIError(400, f"{param}={requested:,} exceeds the server's limit of {limits.max_tokens:,} "
+                       "(--max-tokens-limit)", param=param)  # fmt: skip
+    if prompt_tokens + requested > limits.max_model_len:
+        raise APIError(400, f"the prompt's {prompt_tokens:,} tokens + {param}={requested:,} exceed the context of "
+                       f"{limits.max_model_len:,} tokens (--max-model-len); shorten the prompt or lower {param}",
+                       param=param, code="context_length_exceeded")  # fmt: skip
+    return requested
+
+
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int,
+                    stop: tuple[str, ...], stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:  # fmt: skip
+    """Choice j of a seeded request samples with seed + j: the choices differ, and the request repeats."""
+    seed = None if body.seed is None else (body.seed + choice) % (1 << 63)
+    try:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            max_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            seed=seed,
+        )
+    except ValueError as e:  # the protocol's ranges match SamplingParams'; this is the backstop
+        raise APIError(400, str(e)) from None
+
+
+def completion_prompts(body: CompletionRequest, encode, vocab_size: int, limits: ServerLimits) -> list[list[int]]:
+    """The request's prompts as token ids: a string, a list of ids, or a list of either."""
+    p = body.prompt
+    prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if not prompts:
+        raise APIError(400, "prompt is empty", param="prompt")
+    if len(prompts) > limits.max_prompts:
+        raise APIError(400, f"{len(prompts)} prompts in one request; at most {limits.max_prompts} (--max-prompts)",
+                       param="prompt")  # fmt: skip
+    out = []
+    for i, prompt in enumerate(prompts):
+        ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not ids:
+            raise APIError(400, f"{where} is empty", param="prompt")
+        if max(ids) >= vocab_size:
+            raise APIError(400, f"{where}: token id {max(ids)} is outside the vocabulary ({vocab_size})",
+                           param="prompt")  # fmt: skip
+        out.append(ids)
+    return out
+
+
+def completion_submissions(body: CompletionRequest, prompts: list[list[int]], limits: ServerLimits) -> list[Submission]:
+    if body.logprobs is not None:
+        raise _unsupported("logprobs", "the engine does not return log-probabilities yet")
+    if body.echo:
+        raise _unsupported("echo", "the prompt is not returned with the completion")
+    if body.suffix:
+        raise _unsupported("suffix", "K3 has no fill-in-the-middle format")
+    if body.best_of is not None and body.best_of != body.n:
+        raise _unsupported("best_of", "ranking needs log-probabilities; use n")
+    stop = stop_strings(body)
+    subs = []
+    for i, ids in enumerate(prompts):
+        max_tokens = max_tokens_for(body.max_tokens, "max_tokens", len(ids), limits, DEFAULT_MAX_TOKENS)
+        for j in range(body.n):
+            subs.append(Submission(i * body.n + j, i, ids, sampling_params(body, max_tokens, j, stop)))
+    return subs
+
+
+def chat_max_tokens(body: ChatCompletionRequest, prompt_tokens: int, limits: ServerLimits) -> int:
+    if body.logprobs or body.top_logprobs is not None:
+        raise _unsupported("logprobs" if body.logprobs else "top_logprobs",
+                           "the engine does not return log-probabilities yet")  # fmt: skip
+    if body.max_completion_tokens is not None:
+        return max_tokens_for(body.max_completion_tokens, "max_completion_tokens", prompt_tokens, limits, None)
+    return max_tokens_for(body.max_tokens, "max_tokens", prompt_tokens, limits, None)

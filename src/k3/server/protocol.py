@@ -1,0 +1,114 @@
+"""The request bodies of the OpenAI-compatible endpoints, as pydantic models (they also make the OpenAPI
+schema that clients and the fuzzer read). Only the shape and the ranges that hold for every server are
+checked here; limits that depend on the server's flags (max_tokens, n, the context) are checked by the
+endpoint, in `app.py`. NaN and infinities are refused everywhere (`allow_inf_nan=False`)."""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SEED_LIMIT = 2**63  # SamplingParams' seed range: [0, 2**63)
+
+Temperature = Annotated[float, Field(ge=0, le=2)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Body(BaseModel):
+    # unknown fields are ignored (clients send vendor extensions); NaN/inf are never a valid number here
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields both endpoints share. `top_k` and `ignore_eos` are extensions (vLLM's spelling)."""
+
+    model: str
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=0, lt=SEED_LIMIT)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions. prompt: a string, token ids, or a list of either (one completion set each)."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: Annotated[int, Field(ge=0)] | None = None
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: str | None = None
+
+
+class ContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatTemplateKwargs(_Body):
+    """K3's chat options: thinking on (the generation prompt opens `think`) or off (`response`)."""
+
+    thinking: bool = True
+    thinking_effort: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    parallel_tool_calls: bool | None = None
