@@ -4,8 +4,9 @@ KDA layers keep a fixed-size state: S (H, K, V) in fp32 and the last kernel−1 
 convolution. MLA layers keep, per past token, the normalised latent c_kv (kv_lora_rank values) and
 the shared key part k_pe (qk_rope_head_dim values, no rotation): nothing per head.
 
-The layers use a small protocol, whatever the cache: KDA reads and assigns `state` / `conv`, MLA calls
-`append` and `attention_mask`. A GroupedLayerCache (the serving engine's packed step, whose page-table
+The layers use a small protocol, whatever the cache: KDA reads and assigns `state` / `conv` and decodes
+through `update_state` (the recurrent step writes the state where it lives), MLA calls `append` and
+`attention_mask`. A GroupedLayerCache (the serving engine's packed step, whose page-table
 adapters live in k3.serve.paged_cache) additionally runs a layer's sequence mixing per group.
 """
 
@@ -29,6 +30,12 @@ class KDALayerCache:
     # (B, H, K, V) fp32; a decode step (one token, no autograd) updates it in place: clone it to keep a copy
     state: torch.Tensor | None = None
     conv: torch.Tensor | None = None  # the last kernel−1 inputs of the q, k, v convolutions: (B, 2HK + HV, kernel−1)
+
+    def update_state(self, step: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> torch.Tensor | None:
+        """step(states, rows) updates the state in place and returns its output; here states is the
+        (B, H, K, V) state itself and rows None. Returns None, without calling step, when there is no
+        state yet (the first call of a sequence runs the chunked form instead)."""
+        return None if self.state is None else step(self.state, None)
 
 
 @dataclass

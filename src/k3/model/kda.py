@@ -107,13 +107,14 @@ class KimiDeltaAttention(nn.Module):
         if cache is None:
             return chunk_kda(q, k, v, g_raw, beta_raw, **kw)[0]
         cache.conv = tail
-        if T == 1 and cache.state is not None and not torch.is_grad_enabled():
-            # decoding: the recurrent step updates the state in place (the cache's own tensor, or a
-            # copy a paged cache gathered for this call and writes back on assignment)
-            state = cache.state
-            o, _ = fused_recurrent_kda(q, k, v, g_raw, beta_raw, initial_state=state, inplace_final_state=True, **kw)
-            cache.state = state
-            return o
+        if T == 1 and not torch.is_grad_enabled():
+            # decoding: the recurrent step updates the states where they live, the cache's own tensor or
+            # rows of a serving pool (fla's ssm_state_indices), with no gathered copy to write back
+            o = cache.update_state(lambda states, rows: fused_recurrent_kda(
+                q, k, v, g_raw, beta_raw, initial_state=states, ssm_state_indices=rows, inplace_final_state=True,
+                **kw)[0])  # fmt: skip
+            if o is not None:
+                return o
         # a longer piece (prefill): the chunked form
         o, cache.state = chunk_kda(q, k, v, g_raw, beta_raw, initial_state=cache.state, output_final_state=True, **kw)
         return o

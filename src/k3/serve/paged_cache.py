@@ -6,15 +6,16 @@ recurrence, attention) runs per group of equal lengths (all decodes form one gro
 `PackedLayerCache.mix`, the protocol k3.model.cache.GroupedLayerCache. Each group's cache is an
 adapter over the pool with the interface of the plain caches, so the layers need no serving code:
 - `PagedKDAState`: the `state` / `conv` of one KDA layer for B sequences are rows of the pool's KDA
-  views, one page per sequence and layer (gathered on read, written back in place on assignment),
-  and also written into the pages of the KDA checkpoints the plan asks for.
+  views, one page per sequence and layer (gathered on read, written back in place on assignment; a
+  decode step updates them where they lie, `update_state`), and also written into the pages of the
+  KDA checkpoints the plan asks for.
 - `PagedMLALatents`: one MLA layer's latents live in each sequence's latent pages, P tokens a page;
   `append` writes the new tokens into their slots and returns every sequence's latents padded to the
   longest, with the mask that hides the padding and keeps attention causal.
 """
 
 from collections.abc import Callable, Sequence
-from itertools import accumulate
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -34,8 +35,12 @@ class PagedKDAState:
     """
 
     def __init__(self, pool: PagePool, rows: torch.Tensor,
-                 checkpoint: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
+                 checkpoint: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 progression: tuple[int, int] | None = None):  # fmt: skip
         self.pool, self.rows, self.checkpoint = pool, rows, checkpoint
+        # (first, step) when rows = first + step·i (one sequence, or requests admitted together): the
+        # rows are then a strided view of the pool, updated with no index at all
+        self.progression = progression
 
     @property
     def state(self) -> torch.Tensor:  # (B, H, K, V)
@@ -52,6 +57,22 @@ class PagedKDAState:
     @conv.setter
     def conv(self, value: torch.Tensor) -> None:
         self._write(self.pool.kda_conv(), value)
+
+    def update_state(self, step: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+        """step(states, rows) updates the pool's state rows in place: rows in arithmetic progression as
+        a strided view of them (no index; fla addresses such a view by its row stride), others as the
+        pool and their row indices. Then the new states of the rows with a checkpoint are copied into
+        its pages."""
+        states = self.pool.kda_states()
+        if self.progression is not None:
+            first, stride = self.progression
+            out = step(states[first : first + stride * (len(self.rows) - 1) + 1 : stride], None)
+        else:
+            out = step(states, self.rows)
+        if self.checkpoint is not None:
+            which, pages = self.checkpoint
+            states.index_copy_(0, pages, states[self.rows[which]])
+        return out
 
     def _write(self, view: torch.Tensor, value: torch.Tensor) -> None:
         value = value.to(view.dtype)
@@ -107,6 +128,14 @@ class PagedMLALatents:
             return None
         query_pos = self.past[:, None] + torch.arange(T, device=device)[None]  # (B, T)
         return causal_mask(query_pos, int(self.past.max()) + T)
+
+
+def _progression(rows: list[int]) -> tuple[int, int] | None:
+    """(first, step) if rows = first + step·i with step ≥ 1 (any single row), else None."""
+    step = rows[1] - rows[0] if len(rows) > 1 else 1
+    if step < 1 or any(b - a != step for a, b in pairwise(rows)):
+        return None
+    return rows[0], step
 
 
 class PackedLayerCache(GroupedLayerCache):
@@ -165,6 +194,8 @@ class PackedBatch:
             per_group.append(dict(
                 range=(pos, end, len(group)),
                 kda_rows=torch.tensor([p.state_pages for p in group], device=device).t(),  # (n_kda, rows)
+                kda_progressions=[_progression([p.state_pages[j] for p in group])
+                                  for j in range(len(group[0].state_pages))],
                 # rows within the group, and their (n_kda, ·) checkpoint pages
                 checkpoint=(torch.tensor([i for i, _ in filled], device=device),
                             torch.tensor([pages for _, pages in filled], device=device).t()) if filled else None,
@@ -178,7 +209,8 @@ class PackedBatch:
             if kind == "kda":
                 subs = [
                     PagedKDAState(self.pool, g["kda_rows"][kda],
-                                  (g["checkpoint"][0], g["checkpoint"][1][kda]) if g["checkpoint"] else None)
+                                  (g["checkpoint"][0], g["checkpoint"][1][kda]) if g["checkpoint"] else None,
+                                  g["kda_progressions"][kda])
                     for g in per_group
                 ]  # fmt: skip
                 kda += 1

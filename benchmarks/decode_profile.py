@@ -1,0 +1,121 @@
+"""What one engine decode step costs, counted: aten ops and bytes moved per step, and the top ops by
+self time, for the small preset (random weights, fp32) at batch 1 and batch 64.
+
+    python benchmarks/decode_profile.py                 # batch 1 at 1,024 tokens, batch 64 at 256
+    python benchmarks/decode_profile.py --top 25 --steps 16 --threads 2
+
+The op and byte counts are deterministic (the same code gives the same numbers on any machine, however
+busy), so they are the before/after measure of a change to the decode path; the self times are one
+profiled run and move with the machine's load. Counted per engine step (schedule, forward, sample),
+every request decoding one token, none finishing.
+"""
+
+import argparse
+import statistics
+import time
+from collections import Counter
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from k3 import K3Config, K3Model
+from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.sampling import SamplingParams
+from k3.serve.scheduler import SchedulerConfig
+from k3.train.tokenizer import byte_tokenizer
+
+# ops that only move data: their bytes are "bytes moved" (gathers, scatters, copies, concatenations)
+MOVES = {
+    "index", "index_select", "index_copy_", "index_copy", "index_put_", "copy_", "cat", "stack", "clone",
+    "_to_copy", "gather", "scatter_", "contiguous", "expand_copy", "_unsafe_index_put", "index_add_",
+}  # fmt: skip
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched (after autograd and composite decompositions) and the bytes the
+    data-movement ops write."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.moved: Counter[str] = Counter()  # bytes written per data-movement op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        if name in MOVES:
+            # an in-place scatter writes its source's bytes, anything else its output's
+            src = args[-1] if name in ("index_copy_", "index_copy", "index_add_") else out
+            if name in ("index_put_", "_unsafe_index_put"):
+                src = args[2]
+            if name == "copy_":
+                src = args[1]
+            if isinstance(src, torch.Tensor):
+                self.moved[name] += src.numel() * src.element_size()
+            elif isinstance(src, (list, tuple)):
+                self.moved[name] += sum(t.numel() * t.element_size() for t in src if isinstance(t, torch.Tensor))
+        return out
+
+
+def decoding_engine(model: K3Model, batch: int, context: int, seed: int = 0) -> LLMEngine:
+    """An engine whose `batch` requests have each prefilled `context` tokens and decoded one: every
+    later step is `batch` decode rows."""
+    sched = SchedulerConfig(max_num_seqs=max(64, batch), max_batched_tokens=4096)
+    eng = LLMEngine(model, byte_tokenizer(), EngineConfig(memory_budget=256 << 20, enable_prefix_caching=False,
+                                                          scheduler=sched))  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for _ in range(batch):
+        eng.add_request(torch.randint(0, model.config.vocab_size, (context,), generator=gen).tolist(), params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.seqs.values()):
+        eng.step()
+    return eng
+
+
+def measure(eng: LLMEngine, steps: int, top: int) -> dict:
+    for _ in range(2):  # warm: scratch buffers and allocator caches at their steady size
+        eng.step()
+    counter = OpCounter()
+    with counter:
+        eng.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            eng.step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    return dict(ops=counter.ops, moved=counter.moved, ms=1e3 * statistics.median(times), table=table, steps=steps)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8, help="decode steps timed and profiled per batch size")
+    p.add_argument("--top", type=int, default=15, help="rows of the self-time table")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--context-1", type=int, default=1024, help="prompt tokens of the batch-1 request")
+    p.add_argument("--context-64", type=int, default=256, help="prompt tokens of each batch-64 request")
+    p.add_argument("--batches", default="1,64", help="comma-separated batch sizes (1 and/or 64)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = K3Model(K3Config.from_preset("small")).eval()
+    print(f"k3 small, random weights, fp32, torch {torch.__version__}, {args.threads} thread(s)")
+    for batch in (int(b) for b in args.batches.split(",")):
+        context = args.context_1 if batch == 1 else args.context_64
+        r = measure(decoding_engine(model, batch, context), args.steps, args.top)
+        total = sum(r["ops"].values())
+        print(f"\n## batch {batch}, context {context}: {total} aten ops per step, "
+              f"{sum(r['moved'].values()) / 1e6:.2f} MB moved by gathers/scatters/copies/cats, "
+              f"{r['ms']:.1f} ms per step (median of {r['steps']}, noisy)")  # fmt: skip
+        print("ops per step: " + ", ".join(f"{n} {c}" for n, c in r["ops"].most_common(20)))
+        print("MB moved per step: " + ", ".join(f"{n} {b / 1e6:.2f}" for n, b in r["moved"].most_common(8)))
+        print(f"\nself time over {r['steps']} profiled steps:\n{r['table']}")
+
+
+if __name__ == "__main__":
+    main()
