@@ -1,5 +1,9 @@
 """The offline LLM API and `k3 generate` over a checkpoint written by `k3 init`."""
 
+import signal
+import threading
+import time
+
 import pytest
 
 from k3.cli import main
@@ -34,6 +38,118 @@ def test_generate_stream_and_abort(ckpt):
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.generate(["fine", ""], greedy)
     assert not llm.engine.has_unfinished() and llm.engine.pool.num_used == 0  # "fine" was not left queued
+
+
+GREEDY40 = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture
+def llm(ckpt):
+    """An LLM whose engine loop is stopped at the end, with no loop thread left behind."""
+    with LLM(str(ckpt), memory_budget=8 << 20) as model:
+        yield model
+    assert not any(t.name == "k3-engine-loop" for t in threading.enumerate())
+
+
+def assert_pool_free(llm: LLM) -> None:
+    """No request left and no page held: only free pages and cached (evictable) ones."""
+    stats = llm.async_engine.stats()
+    assert stats["running"] == stats["waiting"] == 0 and stats["pages_used"] == 0, stats
+    llm.engine.pool.check()
+
+
+def test_generate_while_a_stream_is_open(llm):
+    """A stream left open between two next() calls and a generate() in between: each gets its own text (the
+    generate used to step the stream's request too, and fail with a KeyError on its output, pages held)."""
+    alone_a, alone_b = (llm.generate(p, GREEDY40)[0].text for p in ("a", "b"))
+    stream = llm.stream("a", GREEDY40)
+    first = next(stream)
+    assert llm.generate("b", GREEDY40)[0].text == alone_b
+    assert first + "".join(stream) == alone_a
+    assert_pool_free(llm)
+    assert llm.generate("b", GREEDY40)[0].text == alone_b  # and the LLM still works
+
+
+def test_streams_read_alternately_lose_no_text(llm):
+    prompts = ["def f(x):", "import os", "class A:"]
+    want = [o.text for o in llm.generate(prompts, GREEDY40)]
+    streams = [llm.stream(p, GREEDY40) for p in prompts]
+    got = ["" for _ in prompts]
+    live = list(range(len(prompts)))
+    while live:
+        for i in list(live):
+            piece = next(streams[i], None)
+            if piece is None:
+                live.remove(i)
+            else:
+                got[i] += piece
+    assert got == want
+    assert_pool_free(llm)
+
+
+def test_ctrl_c_inside_generate_frees_every_request(llm):
+    """A real SIGINT to the main thread while generate() waits: KeyboardInterrupt comes out of generate, and
+    neither its requests nor their pages stay in the engine; the next generate works."""
+    want = llm.generate("import os", GREEDY40)[0].text
+    engine = llm.engine
+    fired = threading.Event()
+
+    def interrupt_once_generating() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                started = any(s.num_output_tokens >= 3 for s in list(engine.seqs.values()))
+            except RuntimeError:  # the dict changed while it was read: look again
+                started = False
+            if started:
+                fired.set()
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                return
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=interrupt_once_generating)
+    watcher.start()
+    long = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["def f(x):", "class A:", "x = 1"], long)
+    finally:
+        watcher.join(timeout=30)
+    assert fired.is_set()
+    assert_pool_free(llm)
+    assert llm.generate("import os", GREEDY40)[0].text == want
+
+
+def test_outputs_longer_than_the_pool_make_progress(ckpt):
+    """reserve_output_fraction=0 admits on the prompt alone; four requests whose outputs cannot all fit the
+    pool at once still finish, each preempted at most once (the oldest running request is never the victim;
+    newer ones used to preempt older ones in turn, dozens of times). A request that could not finish even
+    alone in the pool is refused at once instead of preempting itself forever."""
+    with LLM(str(ckpt), num_pages=12, enable_prefix_caching=False, reserve_output_fraction=0.0) as llm:
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        prompts = [list(range(1, 20 + i)) for i in range(4)]  # 3 KDA pages + 7 latent pages each at the end
+        outs = llm.generate(prompts, params)
+        assert [len(o.token_ids) for o in outs] == [100] * 4 and {o.finish_reason for o in outs} == {"length"}
+        assert 0 < llm.async_engine.stats()["preemptions"] <= 3
+        assert [o.token_ids for o in outs] == [llm.generate(p, params)[0].token_ids for p in prompts]
+        with pytest.raises(ValueError, match=r"needs 13 pages \(19 prompt \+ 150 max tokens\) but the pool has 12"):
+            llm.async_engine.submit(prompts[0], SamplingParams(max_tokens=150))
+        assert_pool_free(llm)
+
+
+def test_prompt_beyond_the_context_is_refused(ckpt):
+    with LLM(str(ckpt), memory_budget=32 << 20) as llm:
+        limit = llm.engine.model.config.max_position_embeddings
+        with pytest.raises(ValueError, match=rf"the prompt's 3 tokens \+ max_tokens {limit - 2:,} = {limit + 1:,} "
+                                             rf"exceed the context of {limit:,} tokens"):  # fmt: skip
+            llm.generate([1, 2, 3], SamplingParams(max_tokens=limit - 2))
+        assert llm.generate([1, 2, 3], SamplingParams(max_tokens=4))[0].finish_reason in ("length", "stop")
+    with LLM(str(ckpt), memory_budget=32 << 20, max_model_len=10) as llm:
+        with pytest.raises(ValueError, match=r"the prompt's 3 tokens \+ max_tokens 8 = 11 exceed the context of 10"):
+            llm.generate([1, 2, 3], SamplingParams(max_tokens=8))
+        assert len(llm.generate([1, 2, 3], SamplingParams(max_tokens=7, ignore_eos=True))[0].token_ids) == 7
+    with pytest.raises(ValueError, match=r"max_model_len 5000 must be in \[1, 4096\]"):
+        LLM(str(ckpt), memory_budget=32 << 20, max_model_len=5000)
 
 
 def test_cli_generate_uses_the_engine(ckpt, capsys):

@@ -34,6 +34,7 @@ class LLM:
     newest checkpoint) or a step folder.
 
     memory_budget: bytes for the page pool (default 256 MiB), or num_pages: its size in pages.
+    max_model_len: the context, prompt + max_tokens, a request may use (default max_position_embeddings).
     text_only: load a multimodal folder's language model, skipping the vision tower and projector.
     dtype: the model's dtype (float32 by default; folder tensors are converted to it).
     quantization: None (default) holds every weight dense, decoding MXFP4-packed experts at load; "mxfp4"
@@ -48,7 +49,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, memory_budget: int | None = None,
                  num_pages: int | None = None, enable_prefix_caching: bool = True, device: str = "cpu",
                  text_only: bool = False, dtype: torch.dtype = torch.float32, quantization: str | None = None,
-                 ckpt: str | Path | None = None, **scheduler_kwargs):  # fmt: skip
+                 ckpt: str | Path | None = None, max_model_len: int | None = None,
+                 **scheduler_kwargs):  # fmt: skip
         from k3.hub import load_for_inference
         from k3.hub.load import check_quantization
 
@@ -58,7 +60,7 @@ class LLM:
         if memory_budget is None and num_pages is None:
             memory_budget = 256 << 20
         config = EngineConfig(memory_budget=memory_budget, num_pages=num_pages,
-                              enable_prefix_caching=enable_prefix_caching,
+                              enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
                               scheduler=SchedulerConfig(**scheduler_kwargs))  # fmt: skip
         weights, self.tokenizer = load_for_inference(model if ckpt is None else ckpt, device=device, dtype=dtype,
                                                      text_only=text_only, quantization=quantization)  # fmt: skip
