@@ -5,7 +5,10 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 
+from k3.model.attn_res import AttnResStream, attn_res
+from k3.model.norm import RMSNorm
 from k3.serve.layout import PageLayout
 from k3.serve.model_runner import ModelRunner
 from k3.serve.paged_cache import _progression
@@ -66,3 +69,26 @@ def test_decode_updates_pool_rows_in_place_and_fills_a_one_token_checkpoint(layo
         assert torch.equal(view[list(checkpoint)], view[list(single.state_pages)])
     untouched = [p for p in range(pool.num_pages) if p not in touched]
     assert torch.equal(pool.storage[untouched], before[untouched])
+
+
+def test_stacked_attn_res_equals_the_per_source_sum():
+    """AttnResStream's stacked form (inference, few tokens) gives attn_res over the same sources, with and
+    without a partial sum, and rebuilds its stack when a block completes."""
+    torch.manual_seed(0)
+    d = 16
+    proj, norm = nn.Linear(d, 1, bias=False).double(), RMSNorm(d).double()
+    with torch.no_grad():
+        proj.weight.normal_()
+        norm.weight.uniform_(0.5, 1.5)
+    stream = AttnResStream(torch.randn(2, 3, d, dtype=torch.float64), block_starts={1, 2})
+    for layer in range(4):
+        stream.begin_layer(layer)
+        for _ in range(2):
+            sources = stream.blocks if stream.partial is None else [*stream.blocks, stream.partial]
+            with torch.no_grad():
+                got = stream.input((proj, norm))
+            want = attn_res(sources, proj, norm)
+            assert len(sources) == 1 or stream._stacked is not None  # the stacked form ran
+            assert torch.allclose(got, want, atol=1e-12, rtol=0)
+            stream.add(torch.randn(2, 3, d, dtype=torch.float64))
+    assert len(stream.blocks) == 3

@@ -59,6 +59,11 @@ class ResidualStream:
     readout = input
 
 
+# Inference over at most this many tokens (decode steps, short chunks) takes the stacked form of
+# AttnResStream.input: a few ops over all sources at once instead of several per source.
+STACK_TOKENS = 256
+
+
 class AttnResStream:
     """Block AttnRes bookkeeping over depth: the completed blocks b₀ … b_{n−1} (b₀ the embedding) and
     `partial`, the sum of the sublayer outputs so far in the current block.
@@ -73,6 +78,9 @@ class AttnResStream:
         self.blocks = [embedding]  # (B, T, d) each
         self.partial: torch.Tensor | None = None
         self.block_starts = block_starts
+        # the completed blocks stacked (S, B, T, d) with 1 / rms of each (S, B, T): neither depends on
+        # the sublayer's query, so they are built once per block, not once per sublayer
+        self._stacked: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
     def begin_layer(self, index: int) -> None:
         if index in self.block_starts and self.partial is not None:
@@ -81,7 +89,30 @@ class AttnResStream:
 
     def input(self, query: tuple[nn.Linear, RMSNorm]) -> torch.Tensor:
         """The next sublayer's input under its pseudo-query (proj, norm): (B, T, d)."""
-        return attn_res(self.blocks if self.partial is None else [*self.blocks, self.partial], *query)
+        x, single = self.blocks[0], len(self.blocks) == 1 and self.partial is None
+        if single or torch.is_grad_enabled() or x.shape[0] * x.shape[1] > STACK_TOKENS:
+            return attn_res(self.blocks if self.partial is None else [*self.blocks, self.partial], *query)
+        return self._stacked_input(*query)
+
+    def _stacked_input(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
+        """attn_res over the stacked completed blocks and the partial sum, the same sum in fewer ops."""
+        if self._stacked is None or len(self._stacked[0]) != len(self.blocks) or self._stacked[2] != norm.eps:
+            stack = torch.stack(self.blocks)
+            sf = at_least_fp32(stack)
+            self._stacked = stack, torch.rsqrt(sf.pow(2).mean(-1) + norm.eps), norm.eps
+        stack, inv_rms, _ = self._stacked
+        sf = at_least_fp32(stack)
+        wg = (proj.weight[0] * norm.weight).to(sf.dtype)
+        logits = (sf @ wg) * inv_rms  # (S, B, T)
+        if self.partial is not None:
+            pf = at_least_fp32(self.partial)
+            last = (pf @ wg) * torch.rsqrt(pf.pow(2).mean(-1) + norm.eps)
+            logits = torch.cat([logits, last[None]])
+        weights = torch.softmax(logits, dim=0).to(stack.dtype)  # (S or S + 1, B, T)
+        out = (stack * weights[: len(stack), ..., None]).sum(0)
+        if self.partial is not None:
+            out = torch.addcmul(out, self.partial, weights[-1, ..., None])
+        return out
 
     def add(self, out: torch.Tensor) -> None:
         self.partial = out if self.partial is None else self.partial + out
