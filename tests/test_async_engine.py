@@ -154,6 +154,27 @@ def test_cancel_from_a_coroutine(make):
     assert_pool_free(engine)
 
 
+def test_a_submission_given_up_while_waiting_is_cancelled(make):
+    """A coroutine cancelled (its client gone) while the loop is busy with a slow step and has not yet added
+    its request: the request, added after all, is aborted rather than left running with no reader."""
+    engine = make()
+    step = engine.engine.step
+    engine.engine.step = lambda: time.sleep(0.05) or step()
+    busy = engine.submit([1, 2, 3], SamplingParams(max_tokens=2000, ignore_eos=True))
+
+    async def give_up() -> None:
+        task = asyncio.create_task(engine.submit_async([4, 5, 6], SamplingParams(max_tokens=2000, ignore_eos=True)))
+        await asyncio.sleep(0.01)  # the loop is inside a step: the submission waits
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(asyncio.wait_for(give_up(), WAIT_S))
+    busy.cancel()
+    assert busy.wait(WAIT_S)
+    assert_pool_free(engine)  # stats is queued after the add and its cancellation
+
+
 def test_admission_errors_are_raised_in_the_caller(make):
     engine = make(num_pages=20, max_num_seqs=1, max_waiting_requests=2)
     with pytest.raises(ValueError, match="prompt is empty"):

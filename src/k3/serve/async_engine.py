@@ -124,6 +124,11 @@ class RequestHandle:
                 loop.call_soon_threadsafe(_resolve, ready)
 
 
+def _cancel_added(done: Future) -> None:
+    if done.exception() is None:
+        done.result().cancel()
+
+
 def _resolve(ready: asyncio.Future) -> None:
     if not ready.done():
         ready.set_result(None)
@@ -169,18 +174,31 @@ class AsyncEngine:
         """Queue a request; returns its handle. Thread-safe; waits for the loop to add it (at most one step),
         so the engine's admission errors (ValueError, TypeError, Overloaded) are raised here. EngineClosed
         after shutdown. From a coroutine, `await submit_async(...)` does not block the event loop."""
-        return self._submit(prompt, params, request_id).result()
+        done = self._submit(prompt, params, request_id)
+        try:
+            return done.result()
+        except BaseException:
+            # interrupted while waiting (Ctrl-C): a request added after all is cancelled, not left running
+            done.add_done_callback(_cancel_added)
+            raise
 
     async def submit_async(self, prompt: str | list[int], params: SamplingParams | None = None,
                            request_id: str | None = None) -> RequestHandle:  # fmt: skip
         """submit() for asyncio: the wait for the loop is awaited, not blocked on."""
-        return await asyncio.wrap_future(self._submit(prompt, params, request_id))
+        done = self._submit(prompt, params, request_id)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(done))
+        except BaseException:  # the coroutine was cancelled (its client went away) while the loop added it
+            done.add_done_callback(_cancel_added)
+            raise
 
     def _submit(self, prompt, params, request_id) -> Future:
         self.start()
         done: Future = Future()
 
         def add() -> None:
+            if not done.set_running_or_notify_cancel():
+                return  # the caller gave up on a future nobody shielded: add nothing
             try:
                 rid = self._engine.add_request(prompt, params, request_id)
             except BaseException as exc:
