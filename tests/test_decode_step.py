@@ -92,3 +92,37 @@ def test_stacked_attn_res_equals_the_per_source_sum():
             assert torch.allclose(got, want, atol=1e-12, rtol=0)
             stream.add(torch.randn(2, 3, d, dtype=torch.float64))
     assert len(stream.blocks) == 3
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_derived_weights_follow_their_parameters():
+    """The concatenated weights kept across inference calls are rebuilt after an in-place change, after
+    load_state_dict, and after a parameter is replaced; under autograd they are built fresh, so gradients
+    reach every projection."""
+    model, ids = tiny_model(), torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(0))
+    _logits(model, ids)  # the caches are built
+    kda = next(layer.self_attn for layer in model.model.layers if layer.kind == "kda")
+    fresh = tiny_model(seed=1)
+    with torch.no_grad():
+        kda.q_proj.weight.mul_(3.0)  # in place
+        kda.q_conv1d.weight.add_(0.5)
+    ref = tiny_model()
+    with torch.no_grad():
+        ref_kda = next(layer.self_attn for layer in ref.model.layers if layer.kind == "kda")
+        ref_kda.q_proj.weight.mul_(3.0)
+        ref_kda.q_conv1d.weight.add_(0.5)
+    # ref's caches are built after its change: equal logits mean model's were rebuilt
+    assert torch.allclose(_logits(model, ids), _logits(ref, ids), atol=1e-12)
+    model.load_state_dict(fresh.state_dict())
+    assert torch.allclose(_logits(model, ids), _logits(fresh, ids), atol=1e-12)
+    kda.b_proj.weight = nn.Parameter(kda.b_proj.weight.detach() * -1.0)
+    fresh_kda = next(layer.self_attn for layer in fresh.model.layers if layer.kind == "kda")
+    with torch.no_grad():
+        fresh_kda.b_proj.weight.mul_(-1.0)
+    assert torch.allclose(_logits(model, ids), _logits(fresh, ids), atol=1e-12)
+    model(ids).logits.sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in kda._input_weights())

@@ -9,6 +9,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import GroupedLayerCache, KDALayerCache, sequence_mixing
+from k3.model.derived import DerivedWeight
 from k3.model.norm import RMSNorm
 from k3.ops.kda import chunk_kda, fused_recurrent_kda
 
@@ -28,7 +29,8 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None
     past = tail.transpose(1, 2).to(x.dtype) if tail is not None else x.new_zeros(B, w - 1, C)
     full = torch.cat([past, x], dim=1)  # (B, w−1+T, C)
     taps = weight.view(C, w).t()  # (w, C): tap j multiplies the input j steps into the window
-    y = sum(full[:, j : j + T] * taps[j] for j in range(w))
+    # one window (decoding): one product and one sum; else one shifted product per tap
+    y = (full * taps).sum(1, keepdim=True) if T == 1 else sum(full[:, j : j + T] * taps[j] for j in range(w))
     return F.silu(y), full[:, full.shape[1] - (w - 1) :].transpose(1, 2)
 
 
@@ -60,6 +62,9 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(H * K))
         self.o_norm = RMSNorm(V, config.rms_norm_eps)
         self.o_proj = nn.Linear(H * V, d, bias=False)
+        # concatenations of parameters, kept across inference calls (k3.model.derived)
+        self._fused_input = DerivedWeight(lambda *ws: torch.cat(ws))
+        self._fused_conv = DerivedWeight(lambda *ws: torch.cat(ws))
 
     @torch.no_grad()
     def reset_gate_parameters(self) -> None:
@@ -75,19 +80,33 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KDALayerCache | GroupedLayerCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
-        # q, k, v through one convolution over their concatenated channels: the same arithmetic as
-        # three, with a third of the small element-wise passes. Concatenate whichever is smaller, the
-        # three weights (d values per channel) or the three outputs (B·T per channel, e.g. decoding).
-        weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-        if x.shape[-1] > B * T:
-            qkv = torch.cat([F.linear(x, w) for w in weights], dim=-1)
+        if torch.is_grad_enabled():
+            # q, k, v through one convolution over their concatenated channels: the same arithmetic as
+            # three, with a third of the small element-wise passes. Concatenate whichever is smaller, the
+            # three weights (d values per channel) or the three outputs (B·T per channel).
+            weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+            if x.shape[-1] > B * T:
+                qkv = torch.cat([F.linear(x, w) for w in weights], dim=-1)
+            else:
+                qkv = F.linear(x, torch.cat(weights))
+            f_a, beta_raw, gate_out = self.f_a_proj(x), self.b_proj(x), self.output_gate(x)
         else:
-            qkv = F.linear(x, torch.cat(weights))
-        g_raw = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
-        beta_raw = self.b_proj(x)
+            # inference: every projection of x in one matmul, the weights concatenated once and kept
+            # until a parameter changes (k3.model.derived)
+            out = F.linear(x, self._fused_input(*self._input_weights()))
+            qkv, f_a, beta_raw, g_a = out.split([2 * H * K + H * V, K, H, out.shape[-1] - 2 * H * K - H * V - K - H],
+                                                dim=-1)  # fmt: skip
+            gate_out = g_a if hasattr(self, "g_proj") else self.g_b_proj(g_a)
+        g_raw = self.f_b_proj(f_a).view(B, T, H, K)
         o = sequence_mixing(cache, self.mix, qkv, g_raw, beta_raw)  # (B, T, H, V)
-        gate = torch.sigmoid(self.output_gate(x).view(B, T, H, V))
+        gate = torch.sigmoid(gate_out.view(B, T, H, V))
         return self.o_proj((self.o_norm(o) * gate).reshape(B, T, H * V))
+
+    def _input_weights(self) -> list[torch.Tensor]:
+        """The weights of every projection that reads x: q, k, v, the forget gate's first factor, beta,
+        and the output gate's first factor (or the full-rank output gate)."""
+        g = self.g_proj.weight if hasattr(self, "g_proj") else self.g_a_proj.weight
+        return [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.f_a_proj.weight, self.b_proj.weight, g]
 
     def mix(self, qkv: torch.Tensor, g_raw: torch.Tensor, beta_raw: torch.Tensor, cache: KDALayerCache | None):
         """The sequence mixing: convolutions, then the delta rule from the cached state.
@@ -96,7 +115,7 @@ class KimiDeltaAttention(nn.Module):
         """
         B, T, _ = qkv.shape
         H, K, V = self.H, self.K, self.V
-        w_conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        w_conv = self._fused_conv(self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
         qkv, tail = causal_conv(qkv, w_conv, cache.conv if cache is not None else None)
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         kw = dict(
