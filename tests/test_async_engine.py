@@ -2,6 +2,7 @@
 outputs; cancellation, shutdown and a failing step free every page. Every wait is bounded."""
 
 import asyncio
+import faulthandler
 import threading
 import time
 
@@ -19,6 +20,15 @@ from tiny_models import tiny_model
 TOK = byte_tokenizer()
 WAIT_S = 60  # bound on any single wait: a hang fails the test instead of stalling the run
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def bounded():
+    """A hang (a wait that never ends: these tests run threads) ends the run with every thread's traceback
+    instead of stalling it."""
+    faulthandler.dump_traceback_later(300, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="module")

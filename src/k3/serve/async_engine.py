@@ -316,11 +316,12 @@ class AsyncEngine:
         """Abort one request on the loop (its pages and state freed) and give its handle its last output."""
         handle = self._handles.pop(request_id, None)
         seq = self._engine.seqs.get(request_id)
-        if seq is not None:
-            self._engine.abort(request_id)
-        if handle is None:
-            return
-        handle._put(RequestOutput(
-            request_id, "", [], True, reason, seq.num_prompt_tokens if seq else 0,
-            seq.num_output_tokens if seq else 0, seq.num_cached_tokens if seq else 0, error,
-        ))  # fmt: skip
+        try:
+            if seq is not None:
+                self._engine.abort(request_id)
+        finally:  # the handle ends even if the abort raised: its reader must not wait forever
+            if handle is not None:
+                handle._put(RequestOutput(
+                    request_id, "", [], True, reason, seq.num_prompt_tokens if seq else 0,
+                    seq.num_output_tokens if seq else 0, seq.num_cached_tokens if seq else 0, error,
+                ))  # fmt: skip
