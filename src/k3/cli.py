@@ -406,14 +406,38 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    """Loss and per-layer MaxVio curves of a run, as PNG files in the run folder."""
+    """Loss and per-layer MaxVio curves of a run, as PNG files in the run folder; or, for `k3 plot routing`,
+    the routing demo's comparison as one PNG at --out."""
     from k3.train.plot import plot_run
 
+    if args.run == "routing":
+        from k3.demo.plot import plot_routing
+
+        try:
+            print(f"wrote {plot_routing(args.out or 'routing.png')}")
+        except RUN_ERRORS as e:
+            return _run_error("plot routing", e)
+        return 0
+    if args.out is not None:
+        return _fail("plot", ValueError("--out is for `k3 plot routing`; a run's plots are written into its folder"))
     try:
         for path in plot_run(args.run, log=lambda line: print(line, file=sys.stderr)):
             print(f"wrote {path}")
     except RUN_ERRORS as e:
         return _run_error("plot", e)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Serve the routing demo's page and JSON endpoint until Ctrl-C."""
+    from k3.demo.server import serve_routing
+
+    try:
+        serve_routing(args.host, args.port)
+    except KeyboardInterrupt:
+        print("\nk3 demo routing: stopped", file=sys.stderr)
+    except OSError as e:
+        return _fail("demo routing", ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"))
     return 0
 
 
@@ -644,9 +668,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_serve_parser(sub)
 
-    plot = sub.add_parser("plot", help="draw a run's loss and MaxVio curves to PNG")
-    plot.add_argument("run")
+    plot = sub.add_parser("plot", help="draw a run's loss and MaxVio curves to PNG, or the routing figure")
+    plot.add_argument("run", help="a run folder, or `routing` for the routing demo's figure (a run folder named "
+                                  "routing: ./routing)")  # fmt: skip
+    plot.add_argument("--out", default=None, help="k3 plot routing: the PNG to write (default: routing.png)")
     plot.set_defaults(func=cmd_plot)
+
+    demo = sub.add_parser("demo", help="serve an interactive figure computed by k3 (routing)")
+    figures = demo.add_subparsers(dest="figure", required=True)
+    routing = figures.add_parser("routing", help="plain top-k vs Quantile Balancing on k3's own router, in a browser")
+    routing.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    routing.add_argument("--port", type=int, default=8001, help="port to listen on (default: %(default)s)")
+    routing.set_defaults(func=cmd_demo)
     return parser
 
 
