@@ -75,3 +75,19 @@ def test_sigterm_drains_then_exits_0(ckpt):
 def test_serve_refuses_a_bad_max_model_len(ckpt, capsys):
     assert main(["serve", "--model", str(ckpt), "--max-model-len", "10000000", "--port", "1"]) == 2
     assert "--max-model-len 10000000: must be in 1.." in capsys.readouterr().err
+
+
+def test_docs_list_every_serve_flag():
+    """docs/serving.md's table of `k3 serve` flags names each flag the parser has, and no other."""
+    import argparse
+    import re
+    from pathlib import Path
+
+    from k3.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {s for a in sub.choices["serve"]._actions for s in a.option_strings} - {"-h", "--help"}
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text(encoding="utf-8")
+    table = [line for line in docs.splitlines() if line.startswith("| --")]
+    documented = {f for line in table for f in re.findall(r"--[-\w]+", line.split("|")[1])}
+    assert documented == flags
