@@ -12,7 +12,7 @@ of one generator seeded by `seed`, so asking for n + 1 batches repeats the first
 """
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -164,18 +164,31 @@ def balancer_for(params: RoutingParams, router: Router) -> Balancer | None:
     return None
 
 
+def batch_logits(params: RoutingParams) -> Iterator[torch.Tensor]:
+    """The router logits of each batch in turn: (T, E) fp32, z ~ N(0, 1) + skew · popularity."""
+    gen = torch.Generator().manual_seed(params.seed)
+    popularity = popularity_E(params, gen)
+    for _ in range(params.batches):
+        yield torch.randn(params.tokens, params.experts, generator=gen) + params.skew * popularity
+
+
+def identity_router(params: RoutingParams) -> Router:
+    """k3's Router over E experts with input width E and an identity weight: x W^T = x, so its scores are
+    sigmoid of the logits it is given."""
+    router = Router(dim=params.experts, num_experts=params.experts, top_k=params.k)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(params.experts))
+    return router
+
+
 @torch.no_grad()
 def route_batches(params: RoutingParams) -> RoutingResult:
     """Route `params.batches` batches in turn; after each, the rule's balancer sets the bias for the next
     (computed from one batch, applied to the next: SPEC §2.6)."""
-    gen = torch.Generator().manual_seed(params.seed)
-    popularity = popularity_E(params, gen)
-    router = Router(dim=params.experts, num_experts=params.experts, top_k=params.k)
-    router.weight.copy_(torch.eye(params.experts))  # x W^T = x: the logits go through unchanged
+    router = identity_router(params)
     balancer = balancer_for(params, router)
     result = RoutingResult(params, params.target_load)
-    for _ in range(params.batches):
-        logits_TE = torch.randn(params.tokens, params.experts, generator=gen) + params.skew * popularity
+    for logits_TE in batch_logits(params):
         bias = router.e_score_correction_bias.tolist()
         out = router(logits_TE)
         result.batches.append(RoutedBatch(bias, out.loads_E.tolist(), max_violation(out.loads_E)))

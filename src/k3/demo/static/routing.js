@@ -93,7 +93,8 @@ function render(result) {
   drawMaxVio(batches);
   fillTables(last, batches);
   nextButton.disabled = n >= state.maxBatches;
-  document.body.dataset.batches = String(n); // what the browser test waits for
+  document.body.dataset.batches = String(n); // what is drawn, for a test or a script driving the page
+  document.body.dataset.rule = p.rule;
 }
 
 function drawBars(batch, q) {
