@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import uvicorn
 
+from k3.serve.detokenizer import IncrementalDetokenizer
 from k3.serve.engine import RequestOutput
 from k3.serve.scheduler import Overloaded
 
@@ -79,7 +80,8 @@ class ScriptedEngine:
         if self.overload_after is not None and sum(not h.finished for h in self.handles) >= self.overload_after:
             raise Overloaded("scripted queue full", retry_after=2.5)
         tokens = list(self.script(ids, params))[: params.max_tokens]
-        texts = [self.engine.tokenizer.decode([t]) for t in tokens]
+        detokenizer = IncrementalDetokenizer(self.engine.tokenizer)  # as the engine streams text
+        texts = [detokenizer.step(tokens[: i + 1], final=i == len(tokens) - 1) for i in range(len(tokens))]
         reason = "stop" if tokens and tokens[-1] in params.stop_token_ids else "length"
         handle = ScriptedHandle(request_id, ids, tokens, texts, reason, self.delay_s)
         self.handles.append(handle)

@@ -11,6 +11,7 @@ import pytest
 from k3.chat import ChatEncoder
 from k3.server import ServerLimits
 from k3.server.app import create_app
+from k3.server.guard import ServerState
 from k3.train.tokenizer import byte_tokenizer
 from server_helpers import ScriptedEngine, ServerThread
 
@@ -47,12 +48,17 @@ def reply_ids(encoder):
     return full[len(prompt) :]
 
 
+ODD_TEXT = "line\u2028sep\x85nel\x1erec é"  # characters str.splitlines takes for line ends, and a 2-byte one
+
+
 def script_for(tokenizer, encoder, reply_ids):
     chat_prompt = encoder.render(HISTORY, TOOLS).ids
 
     def script(ids, params):
         if ids == chat_prompt:
             return reply_ids
+        if ids == tokenizer.encode("odd"):
+            return tokenizer.encode(ODD_TEXT)
         return tokenizer.encode(" world, again and again")  # a completion: the same text for every prompt
 
     return script
@@ -109,6 +115,15 @@ def test_completion_stream_chunks_usage_and_done(served):
     payloads = sse_payloads(raw)
     assert payloads[-1] == "[DONE]" and [p["choices"][0]["text"] for p in payloads[:-1]] == [" ", "w"]
     assert all("usage" not in p for p in payloads[:-1])  # without include_usage there is no usage field
+
+
+def test_stream_text_with_line_separators_survives(served):
+    chunks = client(served).completions.create(model=MODEL, prompt="odd", max_tokens=64, stream=True)
+    assert "".join(ch.choices[0].text for ch in chunks) == ODD_TEXT
+    with httpx.stream("POST", served + "/v1/completions",
+                      json={"model": MODEL, "prompt": "odd", "max_tokens": 64, "stream": True}) as r:  # fmt: skip
+        lines = [line for line in r.iter_lines() if line]  # splits like str.splitlines
+    assert "".join(json.loads(x[6:])["choices"][0]["text"] for x in lines[:-1]) == ODD_TEXT
 
 
 def test_chat_reasoning_and_tool_calls(served):
@@ -203,6 +218,26 @@ def test_api_key(scripted):
         out = client(url, api_key="s3cret").completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert out.choices[0].text == " w"
         assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+
+
+def test_draining_refuses_new_work(scripted):
+    state = ServerState()
+    app = create_app(scripted, MODEL, ServerLimits(max_model_len=1024), state=state)
+    with ServerThread(app) as url:
+        assert post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
+        state.draining = True  # what SIGTERM sets (k3.server.main)
+        r = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(url + "/health").status_code == 503
+        assert httpx.get(url + "/metrics").status_code == 200
+
+
+def test_chat_prompt_longer_than_the_context_names_messages(scripted):
+    app = create_app(scripted, MODEL, ServerLimits(max_model_len=64))
+    with ServerThread(app) as url:
+        r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": HISTORY, "tools": TOOLS})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_overload_is_429_with_retry_after(tokenizer, encoder, reply_ids):

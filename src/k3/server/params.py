@@ -47,14 +47,13 @@ def stop_strings(body: CompletionRequest | ChatCompletionRequest) -> tuple[str, 
 
 
 def max_tokens_for(requested: int | None, param: str, prompt_tokens: int, limits: ServerLimits,
-                   default: int | None) -> int:  # fmt: skip
+                   default: int | None, prompt_param: str = "prompt") -> int:  # fmt: skip
     """The output budget of one prompt: the request's, or the default capped by what the context leaves."""
     room = limits.max_model_len - prompt_tokens
     if room < 1:
         raise APIError(400, f"the prompt has {prompt_tokens:,} tokens; the context is {limits.max_model_len:,} "
                        "(--max-model-len), which leaves no room to generate: shorten the prompt",
-                       param="messages" if param == "max_completion_tokens" else "prompt",
-                       code="context_length_exceeded")  # fmt: skip
+                       param=prompt_param, code="context_length_exceeded")  # fmt: skip
     if requested is None:
         return min(limits.max_tokens, room, default if default is not None else room)
     if requested > limits.max_tokens:
@@ -131,5 +130,6 @@ def chat_max_tokens(body: ChatCompletionRequest, prompt_tokens: int, limits: Ser
         raise _unsupported("logprobs" if body.logprobs else "top_logprobs",
                            "the engine does not return log-probabilities yet")  # fmt: skip
     if body.max_completion_tokens is not None:
-        return max_tokens_for(body.max_completion_tokens, "max_completion_tokens", prompt_tokens, limits, None)
-    return max_tokens_for(body.max_tokens, "max_tokens", prompt_tokens, limits, None)
+        return max_tokens_for(body.max_completion_tokens, "max_completion_tokens", prompt_tokens, limits, None,
+                              "messages")  # fmt: skip
+    return max_tokens_for(body.max_tokens, "max_tokens", prompt_tokens, limits, None, "messages")

@@ -6,5 +6,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 def sse_event(payload: dict) -> bytes:
-    """One event: compact JSON on a single line (JSON escapes newlines, so a payload cannot end the event)."""
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    """One event: compact JSON on a single line. ASCII only: JSON escapes CR and LF anyway, and escaping the
+    rest keeps U+2028, U+0085, U+001E... out of the stream too, which clients that split lines like
+    str.splitlines (httpx's line reader does) would otherwise take for line ends inside a payload."""
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=True).encode() + b"\n\n"
