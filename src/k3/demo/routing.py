@@ -31,7 +31,7 @@ CUTOFFS = {"kplus1": "(k+1)-th biased score (SPEC default)", "exact": "exact: k-
 # The work is about 60 ns per score on a CPU core (top-k and Quantile Balancing's histogram), so
 # MAX_SCORES = tokens × experts × batches keeps the largest request near a second.
 MAX_TOKENS = 16_384
-MAX_EXPERTS = 512
+MAX_EXPERTS = 1024  # room for K3's own 896 routed experts (top-16)
 MAX_BATCHES = 200
 MAX_SCORES = 2**24
 MAX_SKEW = 20.0  # beyond this sigmoid saturates: every token picks the same hot experts whatever the skew
