@@ -506,7 +506,12 @@ def _serve_demo(llm, max_tokens: int, requests: int = 8) -> None:
     print(llm.engine.describe().splitlines()[0])
 
 
-TRAIN_CHOICES = {"preset": sorted(PRESETS), "schedule": ["cosine", "wsd"], "balancer": ["quantile", "fixed", "none"]}
+TRAIN_CHOICES = {
+    "preset": sorted(PRESETS),
+    "schedule": ["cosine", "wsd"],
+    "balancer": ["quantile", "fixed", "none"],
+    "expert_optimizer": ["muon", "muon-active", "adamw"],
+}
 
 
 def _add_train_flags(p: argparse.ArgumentParser, **defaults) -> None:

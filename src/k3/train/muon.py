@@ -15,6 +15,12 @@ Per-head Muon (groups with `heads = H`): the direction of a Q, K or V projection
 viewed as (H, r, cols) and each head's block is orthogonalised on its own and scaled by 0.2·√max(r, cols),
 so no head's update is shaped by another head's gradient.
 
+Idle experts (groups with `skip_idle = True`, the routed experts under `--expert-optimizer muon-active`): a
+weight whose gradient is None or all zero this step received no tokens. Its step is the ordinary rule with
+G = 0 except for the orthogonalisation: the momentum decays (B ← μ·B), the decoupled weight decay applies
+(W ← W·(1 − lr·wd)), and no Newton–Schulz update is applied (plain Muon would apply NS(μ²·B), a full-size
+step along stale momentum). A group without skip_idle leaves a weight whose gradient is None untouched.
+
 Every state entry is a tensor (`momentum_buffer`; `exp_avg`, `exp_avg_sq`, `step` as 0-dim fp32), so
 `state_dict()["state"]` saves to safetensors without pickle; `param_groups` holds plain numbers and
 strings (JSON-able).
@@ -75,7 +81,8 @@ def muon_update(direction: torch.Tensor, heads: int = 1, ns_steps: int = 5) -> t
 class MuonAdamW(torch.optim.Optimizer):
     """One optimiser, two kinds of parameter group, told apart by `group["algo"]`:
 
-    - "muon": 2-D weights; keys lr, weight_decay, momentum (0.95), ns_steps (5), heads (1 = whole matrix).
+    - "muon": 2-D weights; keys lr, weight_decay, momentum (0.95), ns_steps (5), heads (1 = whole matrix),
+      skip_idle (False; True: a weight without gradient this step only decays, see the module docstring).
     - "adamw": anything; keys lr, weight_decay, betas ((0.9, 0.95)), eps (1e-8). Standard AdamW:
       m ← β₁m + (1−β₁)g, v ← β₂v + (1−β₂)g², p ← p·(1 − lr·wd) − lr·(m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + ε).
 
@@ -96,7 +103,7 @@ class MuonAdamW(torch.optim.Optimizer):
         # Each algorithm's own keys; only lr and weight_decay are shared torch `defaults`, because the
         # base class copies every default into every group (a Muon group would carry betas).
         self.algo_defaults = {
-            "muon": dict(momentum=momentum, ns_steps=ns_steps, heads=1),
+            "muon": dict(momentum=momentum, ns_steps=ns_steps, heads=1, skip_idle=False),
             "adamw": dict(betas=tuple(betas), eps=eps),
         }
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
@@ -133,6 +140,10 @@ class MuonAdamW(torch.optim.Optimizer):
         state = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
                  for k, s in state_dict["state"].items()}  # fmt: skip
         super().load_state_dict({**state_dict, "state": state})
+        # torch replaces each group by the saved one: a state_dict from before a key existed lacks it
+        for group in self.param_groups:
+            for key, default in self.algo_defaults[group["algo"]].items():
+                group.setdefault(key, default)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -149,14 +160,19 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon(self, group: dict[str, Any]) -> None:
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        skip_idle = group["skip_idle"]
         params, directions = [], []
         for p in group["params"]:
-            if p.grad is None:
+            if p.grad is None and not skip_idle:
                 continue
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             buf = state["momentum_buffer"]
+            if skip_idle and (p.grad is None or not p.grad.any()):  # no tokens this step: G = 0, no NS call
+                buf.mul_(mu)
+                p.mul_(1 - lr * wd)
+                continue
             buf.mul_(mu).add_(p.grad)
             params.append(p)
             directions.append(p.grad.add(buf, alpha=mu))

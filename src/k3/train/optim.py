@@ -9,6 +9,13 @@
     AdamW           embed_tokens, lm_head, every norm gain, A_log, dt_bias, the depthwise `*_conv1d` kernels,
                     the AttnRes pseudo-queries `*_res_proj`, biases; and any other parameter that is not 2-D
 
+The routed experts (`experts.{e}.w1|w2|w3` of every LatentMoE; not the shared experts, not the latent
+down/up projections) take `expert_optimizer`: "muon" (as above, with `expert_ns_steps` Newton–Schulz steps),
+"muon-active" (Muon that skips the Newton–Schulz call of an expert without gradient this step: its momentum
+decays and its weight decays, k3.train.muon) or "adamw" (AdamW with weight decay, as some MoE trainers do).
+Unless they differ from plain Muon, the experts stay in the "muon" group, so older checkpoints' optimiser
+groups keep their layout; otherwise they form a group of their own ("muon_experts" / "adamw_experts").
+
 A head's block is its rows of the weight: q_b_proj's rows are per head [q_nope; q_pe] (qk_head_dim rows), and
 kv_b_proj's rows are per head [k_nope; v] (qk_nope_head_dim + v_head_dim rows), so each head's K and V rows
 are orthogonalised together, as one block.
@@ -28,12 +35,15 @@ from torch import nn
 
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
+from k3.model.moe import LatentMoE
 from k3.train.muon import MuonAdamW
 
 # A parameter whose module's name ends with one of these goes to AdamW without weight decay.
 NO_DECAY_MODULE_SUFFIXES = ("_conv1d", "_res_proj")
 NO_DECAY_LEAVES = ("bias", "A_log", "dt_bias")
 ADAMW_DECAY_MODULES = ("embed_tokens", "lm_head")
+# How the routed experts are optimised (module docstring); "muon" is the default (docs/benchmarks.md measures all).
+EXPERT_OPTIMIZERS = ("muon", "muon-active", "adamw")
 
 
 class ParamGroupError(ValueError):
@@ -44,6 +54,7 @@ class Assignment(NamedTuple):
     algo: str  # "muon" or "adamw"
     heads: int  # Muon: row blocks orthogonalised separately (1 = the whole matrix); AdamW: 1
     decay: bool  # weight decay applied
+    expert: bool = False  # a routed expert's weight in a group of its own (expert_optimizer, expert_ns_steps)
 
 
 def per_head_weights(model: nn.Module) -> dict[str, int]:
@@ -61,12 +72,31 @@ def per_head_weights(model: nn.Module) -> dict[str, int]:
     return heads
 
 
-def assign(model: nn.Module) -> dict[str, Assignment]:
-    """Every trainable parameter's name -> its Assignment (the table in this module's docstring)."""
+def routed_expert_weights(model: nn.Module) -> set[str]:
+    """Names of the routed experts' parameters (w1, w2, w3 of every expert of every LatentMoE)."""
+    names: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, LatentMoE):
+            prefix = f"{name}.experts" if name else "experts"
+            names.update(f"{prefix}.{n}" for n, _ in module.experts.named_parameters())
+    return names
+
+
+def assign(model: nn.Module, expert_optimizer: str = "muon", separate_experts: bool = False) -> dict[str, Assignment]:
+    """Every trainable parameter's name -> its Assignment (the table in this module's docstring).
+
+    separate_experts: with expert_optimizer "muon", put the routed experts in a Muon group of their own (for
+    their own ns_steps); "muon-active" and "adamw" always do."""
+    if expert_optimizer not in EXPERT_OPTIMIZERS:
+        raise ValueError(f"expert_optimizer must be one of {', '.join(EXPERT_OPTIMIZERS)}, got {expert_optimizer!r}")
     per_head = per_head_weights(model)
+    experts = routed_expert_weights(model)
     plan: dict[str, Assignment] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
+            continue
+        if name in experts and p.ndim == 2 and (expert_optimizer != "muon" or separate_experts):
+            plan[name] = Assignment("adamw" if expert_optimizer == "adamw" else "muon", 1, True, expert=True)
             continue
         module, _, leaf = name.rpartition(".")
         module = module.rpartition(".")[2]
@@ -84,18 +114,24 @@ def assign(model: nn.Module) -> dict[str, Assignment]:
 
 
 def group_name(a: Assignment) -> str:
+    if a.expert:
+        return f"{a.algo}_experts"
     if a.algo == "muon":
         return "muon" if a.heads == 1 else f"muon_per_head_{a.heads}"
     return "adamw" if a.decay else "adamw_no_decay"
 
 
-def param_groups(model: nn.Module, lr: float, weight_decay: float) -> list[dict[str, Any]]:
-    """MuonAdamW groups, one per (algo, heads, decay), each with `name`, `algo`, `lr`, `weight_decay` (0 where
-    not decayed) and, for Muon, `heads`. `params` are (name, tensor) pairs so the optimiser's state_dict
-    records `param_names`."""
+def param_groups(
+    model: nn.Module, lr: float, weight_decay: float, expert_optimizer: str = "muon",
+    expert_ns_steps: int | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """MuonAdamW groups, one per (algo, heads, decay, expert), each with `name`, `algo`, `lr`, `weight_decay`
+    (0 where not decayed) and, for Muon, `heads`; a Muon experts group also `ns_steps` (expert_ns_steps, when
+    given) and `skip_idle` (expert_optimizer "muon-active"). `params` are (name, tensor) pairs so the
+    optimiser's state_dict records `param_names`."""
     tensors = dict(model.named_parameters())
     by_kind: dict[Assignment, list[str]] = {}
-    for name, a in assign(model).items():
+    for name, a in assign(model, expert_optimizer, separate_experts=expert_ns_steps is not None).items():
         by_kind.setdefault(a, []).append(name)
     groups = []
     for a, names in by_kind.items():
@@ -103,6 +139,10 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float) -> list[dict[
                      weight_decay=weight_decay if a.decay else 0.0)  # fmt: skip
         if a.algo == "muon":
             group["heads"] = a.heads
+        if a.algo == "muon" and a.expert:
+            group["skip_idle"] = expert_optimizer == "muon-active"
+            if expert_ns_steps is not None:
+                group["ns_steps"] = expert_ns_steps
         groups.append(group)
     check_groups(model, groups)
     return groups
@@ -135,9 +175,18 @@ def build_optimizer(
     eps: float = 1e-8,
     momentum: float = 0.95,
     ns_steps: int = 5,
+    expert_optimizer: str = "muon",
+    expert_ns_steps: int | None = None,
 ) -> MuonAdamW:
-    """One MuonAdamW over the whole model. One lr serves both kinds: Muon's updates are RMS-matched to AdamW's."""
-    groups = param_groups(model, lr, weight_decay)
+    """One MuonAdamW over the whole model. One lr serves both kinds: Muon's updates are RMS-matched to AdamW's.
+
+    expert_optimizer: "muon", "muon-active" or "adamw" for the routed experts (module docstring);
+    expert_ns_steps: their Newton–Schulz steps under Muon (None: ns_steps)."""
+    if expert_ns_steps is not None and expert_ns_steps < 1:
+        raise ValueError(f"expert_ns_steps must be at least 1, got {expert_ns_steps}")
+    if expert_ns_steps == ns_steps:
+        expert_ns_steps = None  # the experts need no group of their own for it
+    groups = param_groups(model, lr, weight_decay, expert_optimizer, expert_ns_steps)
     return MuonAdamW(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps, betas=betas,
                      eps=eps)  # fmt: skip
 

@@ -39,7 +39,7 @@ from k3.train.files import (
     read_jsonl,
     repair_torn_tail,
 )
-from k3.train.optim import build_optimizer, lr_at, set_lr_factor
+from k3.train.optim import EXPERT_OPTIMIZERS, build_optimizer, lr_at, set_lr_factor
 from k3.train.runinfo import (
     RESULT_FLAGS,
     RunMismatchError,
@@ -75,6 +75,9 @@ class TrainArgs:
     warmup: int = _arg(20, "linear warmup steps")
     schedule: str = _arg("cosine", "lr decay after warmup: cosine or wsd")
     weight_decay: float = _arg(0.1, "decoupled weight decay of the matrices")
+    expert_optimizer: str = _arg("muon", "the routed experts' optimiser: muon, muon-active (no Newton-Schulz for "
+                                 "experts without tokens this step) or adamw")  # fmt: skip
+    expert_ns_steps: int = _arg(5, "Newton-Schulz steps for the routed experts under muon / muon-active")
     clip: float = _arg(1.0, "gradient-norm clipping threshold")
     eval_every: int = _arg(50, "steps between validation-loss evaluations")
     eval_batches: int = _arg(4, "validation batches per evaluation")
@@ -107,6 +110,11 @@ class TrainArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(self, name)}")
         if self.schedule not in ("cosine", "wsd"):
             raise ValueError(f"--schedule must be cosine or wsd, got {self.schedule!r}")
+        if self.expert_optimizer not in EXPERT_OPTIMIZERS:
+            raise ValueError(f"--expert-optimizer must be one of {', '.join(EXPERT_OPTIMIZERS)}, got "
+                             f"{self.expert_optimizer!r}")  # fmt: skip
+        if self.expert_ns_steps < 1:
+            raise ValueError(f"--expert-ns-steps must be at least 1, got {self.expert_ns_steps}")
         if self.balancer not in ("quantile", "fixed", "none"):
             raise ValueError(f"--balancer must be quantile, fixed or none, got {self.balancer!r}")
         if not self.lr > 0:
@@ -206,7 +214,7 @@ class Trainer:
             self.config = K3Config.from_preset(args.preset, vocab_size=self.tokenizer.vocab_size)
         torch.manual_seed(args.seed)
         self.model = (K3Model(self.config) if pretrained is None else pretrained.model.train()).to(self.device)
-        self.optimizer = build_optimizer(self.model, lr=args.lr, weight_decay=args.weight_decay)
+        self.optimizer = self._optimizer(args.expert_optimizer, args.expert_ns_steps)
         self.balancer = None
         if args.balancer == "quantile":
             self.balancer = QuantileBalancer(self.model, num_bins=args.qb_bins, exact_cutoff=args.qb_exact_cutoff)
@@ -216,6 +224,11 @@ class Trainer:
         self.saved_step: int | None = None
         if ckpt is not None:
             self._restore(ckpt)
+
+    def _optimizer(self, expert_optimizer: str, expert_ns_steps: int):
+        a = self.args
+        return build_optimizer(self.model, lr=a.lr, weight_decay=a.weight_decay, expert_optimizer=expert_optimizer,
+                               expert_ns_steps=expert_ns_steps)  # fmt: skip
 
     def _sequences(self, split: str, docs, seed: int) -> PackedSequences:
         tokens = cached_pack(self.run / f"{split}_tokens.npy", docs, self.tokenizer)
@@ -246,6 +259,9 @@ class Trainer:
         tokenizer = self.run / "tokenizer.json"
         now = RunRecord(a.flags(), data, val_data, file_sha256(tokenizer) if tokenizer.exists() else None, [])
         recorded = read_record(self.run)
+        if recorded is not None and ckpt is not None:  # the optimiser layout the checkpoint was saved with
+            self.saved_experts = (recorded.flags.get("expert_optimizer", "muon"),
+                                  recorded.flags.get("expert_ns_steps", 5))  # fmt: skip
         if recorded is None and ckpt is not None and isinstance(ckpt.state.get("args"), dict):
             # a run folder from before run.json: its checkpoint recorded the flags and the data path
             old = ckpt.state["args"]
@@ -345,7 +361,11 @@ class Trainer:
         # The optimiser's saved groups carry the run's lr and weight decay; the flags given now are the ones
         # that count (equal unless --override accepted new values), so they are taken from the fresh groups.
         fresh = [(g["base_lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
-        ckpt.load_optimizer(self.optimizer, self.model)
+        saved = getattr(self, "saved_experts", ("muon", 5))
+        if saved == (self.args.expert_optimizer, self.args.expert_ns_steps):
+            ckpt.load_optimizer(self.optimizer, self.model)
+        else:  # --override changed the experts' optimiser: its groups differ from the checkpoint's
+            self._carry_optimizer_state(ckpt, *saved)
         for group, (lr, weight_decay) in zip(self.optimizer.param_groups, fresh, strict=True):
             group["base_lr"], group["weight_decay"] = lr, weight_decay
         extra = ckpt.tensors("extra.safetensors")
@@ -357,6 +377,24 @@ class Trainer:
         # metrics.jsonl is only appended to: the lines the interrupted run logged after this checkpoint are
         # superseded by the ones this run logs for the same steps (k3.train.files.latest_timeline).
         self.log(f"resumed from {ckpt.path} at step {self.step}")
+
+    def _carry_optimizer_state(self, ckpt, expert_optimizer: str, expert_ns_steps: int) -> None:
+        """Load the checkpoint's optimiser state into the layout it was saved with, then give each parameter
+        its state where its algorithm is unchanged (Muon momentum for muon <-> muon-active or new NS steps);
+        a parameter that changed algorithm (the experts, muon <-> adamw) starts its new state from zero."""
+        old = self._optimizer(expert_optimizer, expert_ns_steps)
+        ckpt.load_optimizer(old, self.model)
+        algo = {id(p): g["algo"] for g in old.param_groups for p in g["params"]}
+        fresh = 0
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if algo[id(p)] == group["algo"] and p in old.state:
+                    self.optimizer.state[p] = old.state[p]
+                else:
+                    fresh += 1
+        self.log(f"--expert-optimizer {expert_optimizer} / --expert-ns-steps {expert_ns_steps} became "
+                 f"{self.args.expert_optimizer} / {self.args.expert_ns_steps}: optimiser state carried over where "
+                 f"the algorithm is the same; {fresh} parameters start theirs afresh")  # fmt: skip
 
     def autocast(self):
         if self.device.type == "cuda":
