@@ -190,6 +190,27 @@ def test_servers_answer_what_respond_computes(fetch):
     assert status == 404 and "no page at '/no-such-page'" in json.loads(body)["error"]["message"]
 
 
+def test_k3_serve_mounts_the_demo_at_demo_routing():
+    pytest.importorskip("fastapi", reason="k3 serve needs fastapi (pip install 'k3[serve]')")
+    from starlette.testclient import TestClient
+
+    from k3.server.app import create_app
+    from k3.server.limits import ServerLimits
+    from k3.train.tokenizer import byte_tokenizer
+    from server_helpers import ScriptedEngine
+
+    tokenizer = byte_tokenizer()
+    engine = ScriptedEngine(tokenizer, tokenizer.vocab_size, lambda ids, params: [])
+    app = create_app(engine, "tiny", ServerLimits(max_model_len=64, max_tokens=8, max_n=1), api_key="sekrit")
+    client = TestClient(app)
+    page = client.get("/demo/routing")  # redirected to /demo/routing/; the API key guards /v1 only
+    assert page.status_code == 200 and page.content == static_file("routing.html")
+    answer = client.get("/demo/routing/api/route?rule=topk&batches=2")
+    assert answer.status_code == 200 and answer.json() == route_query({"rule": "topk", "batches": "2"})[1]
+    assert client.get("/demo/routing/api/route?experts=0").status_code == 400
+    assert client.get("/v1/models").status_code == 401
+
+
 def test_k3_plot_routing_writes_a_png(tmp_path, capsys):
     out = tmp_path / "routing.png"
     assert main(["plot", "routing", "--out", str(out)]) == 0

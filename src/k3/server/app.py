@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from k3.chat import ChatEncoder, ChatFormatError
+from k3.demo.server import routing_app
 from k3.server.chat_stream import ChatChoice
 from k3.server.errors import APIError, error_body, install_error_handlers
 from k3.server.guard import Guard, ServerState
@@ -66,6 +67,7 @@ def create_app(engine, model_name: str, limits: ServerLimits, api_key: str | Non
     app.state.server = srv
     install_error_handlers(app)
     _routes(app, srv)
+    app.mount("/demo/routing", routing_app())  # the routing figure (docs/routing.md); it needs no engine
     app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, api_key=api_key, state=srv.state)
     return app
 
