@@ -388,10 +388,10 @@ class Trainer:
         fresh = 0
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                if algo[id(p)] == group["algo"] and p in old.state:
-                    self.optimizer.state[p] = old.state[p]
-                else:
+                if algo[id(p)] != group["algo"]:
                     fresh += 1
+                elif p in old.state:  # (a parameter that never had a gradient has no state yet)
+                    self.optimizer.state[p] = old.state[p]
         self.log(f"--expert-optimizer {expert_optimizer} / --expert-ns-steps {expert_ns_steps} became "
                  f"{self.args.expert_optimizer} / {self.args.expert_ns_steps}: optimiser state carried over where "
                  f"the algorithm is the same; {fresh} parameters start theirs afresh")  # fmt: skip
