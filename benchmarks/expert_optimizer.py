@@ -2,6 +2,7 @@
 
     python benchmarks/expert_optimizer.py                 # small preset, 4 × 128 tokens, 100 steps each
     python benchmarks/expert_optimizer.py --steps 20      # a quick look
+    python benchmarks/expert_optimizer.py --optimizer-only   # the optimiser step alone, order rotated
 
 The alternatives (k3.train.optim: `k3 train --expert-optimizer`, `--expert-ns-steps`):
 
@@ -16,6 +17,11 @@ stream is every --doc-stride-th training file, the validation stream every valid
 loop as `k3 train` (warmup + cosine lr, Quantile Balancing, clipping at 1.0, lr 3e-3, weight decay 0.1). The
 alternatives run in lockstep, one step of each in turn, so a shared machine's drift hits them alike; the table
 gives medians over the steps after the first two, and ratios to (a).
+
+--optimizer-only times the optimiser step alone on one small-preset model with fixed random gradients, each
+alternative with its own optimiser state, the order rotated every round (so no alternative always runs
+first): once with every routed expert holding a gradient, once with only 2 of each layer's 16 experts (what
+muon-active can save when few experts receive tokens).
 """
 
 import argparse
@@ -85,6 +91,32 @@ class Run:
         return loss
 
 
+def optimizer_only(rounds: int) -> None:
+    torch.manual_seed(0)
+    model = K3Model(K3Config.from_preset("small"))
+    experts = routed_expert_weights(model)
+    for label, active_experts in (("every expert has tokens", None), ("2 of 16 experts per layer have tokens", 2)):
+        for name, p in model.named_parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+            index = name.split(".experts.")[-1].split(".")[0]
+            if active_experts is not None and name in experts and int(index) >= active_experts:
+                p.grad = None
+        opts = {lab: build_optimizer(model, expert_optimizer=o, expert_ns_steps=ns) for lab, o, ns in ALTERNATIVES}
+        times: dict[str, list[float]] = {lab: [] for lab in opts}
+        labels = list(opts)
+        for r in range(rounds + 1):
+            for lab in labels[r % len(labels) :] + labels[: r % len(labels)]:
+                t0 = time.perf_counter()
+                opts[lab].step()
+                if r:  # the first round warms up
+                    times[lab].append(time.perf_counter() - t0)
+        base = statistics.median(times[labels[0]])
+        print(f"\noptimiser step alone, {label}, medians of {rounds} rotated rounds:")
+        for lab in labels:
+            ms = statistics.median(times[lab])
+            print(f"| {lab} | {1e3 * ms:.0f} ms | {ms / base:.2f}× (a) |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=100, help="optimiser steps per alternative (default 100)")
@@ -97,8 +129,13 @@ def main() -> None:
     p.add_argument("--doc-stride", type=int, default=20, help="pack every N-th training file (default 20)")
     p.add_argument("--cache", default="runs/bench_expert_optimizer", help="tokenizer and packed tokens")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--optimizer-only", action="store_true", help="time the optimiser step alone (no training)")
+    p.add_argument("--rounds", type=int, default=8, help="rounds of --optimizer-only (default 8)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.optimizer_only:
+        optimizer_only(args.rounds)
+        return
     load_before = os.getloadavg()
 
     cache = Path(args.cache)
