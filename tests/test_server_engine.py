@@ -35,12 +35,16 @@ def make_engine(num_pages: int = 2000, **scheduler) -> AsyncEngine:
 
 @pytest.fixture(scope="module")
 def served():
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = make_engine(max_num_seqs=64, max_waiting_requests=512)
-    app = create_app(engine, MODEL, ServerLimits(max_model_len=512, max_tokens=64, max_n=4))
-    with ServerThread(app) as url:
-        yield url, engine
-    engine.shutdown(drain_timeout=0)
+    try:
+        engine = make_engine(max_num_seqs=64, max_waiting_requests=512)
+        app = create_app(engine, MODEL, ServerLimits(max_model_len=512, max_tokens=64, max_n=4))
+        with ServerThread(app) as url:
+            yield url, engine
+        engine.shutdown(drain_timeout=0)
+    finally:
+        torch.set_num_threads(threads)  # later tests (bitwise resume across processes) depend on it
 
 
 def settle(engine: AsyncEngine, timeout_s: float = 30.0) -> dict:
