@@ -1,7 +1,7 @@
 """The routed experts' optimiser, measured: time of the optimiser step and validation loss at equal steps.
 
+    python benchmarks/expert_optimizer.py --steps 40 --warmup 5   # docs/benchmarks.md's run (~4 min quiet)
     python benchmarks/expert_optimizer.py                 # small preset, 4 × 128 tokens, 100 steps each
-    python benchmarks/expert_optimizer.py --steps 20      # a quick look
     python benchmarks/expert_optimizer.py --optimizer-only   # the optimiser step alone, order rotated
 
 The alternatives (k3.train.optim: `k3 train --expert-optimizer`, `--expert-ns-steps`):
