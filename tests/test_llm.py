@@ -1,6 +1,5 @@
 """The offline LLM API and `k3 generate` over a checkpoint written by `k3 init`."""
 
-import faulthandler
 import signal
 import threading
 import time
@@ -11,14 +10,7 @@ from k3.cli import main
 from k3.serve.llm import LLM
 from k3.serve.sampling import SamplingParams
 
-
-@pytest.fixture(autouse=True)
-def bounded():
-    """A hang (a wait that never ends: these tests run threads) ends the run with every thread's traceback
-    instead of stalling it."""
-    faulthandler.dump_traceback_later(300, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
+pytestmark = pytest.mark.usefixtures("bounded")  # these tests run threads: a hang must not stall the run
 
 
 @pytest.fixture(scope="module")

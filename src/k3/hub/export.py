@@ -30,6 +30,7 @@ from k3.config import RELEASED_QUANTIZATION_CONFIG, K3Config
 from k3.hub.folder import INDEX, SINGLE, ModelFolderError
 from k3.hub.layout import EXPERT_WEIGHT, release_name
 from k3.model.names import RELEASED_A_LOG_SIZE
+from k3.train.files import fsync_path
 
 ARCHITECTURES = {"language_model": "KimiK3ForConditionalGeneration", "model": "KimiK3ForCausalLM"}
 MODEL_TYPE = "kimi_k3"
@@ -134,14 +135,6 @@ def release_config(
     return top
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_model_folder(
     tensors: dict[str, torch.Tensor],
     config_json: dict[str, Any],
@@ -180,8 +173,8 @@ def write_model_folder(
         if tokenizer_path is not None:
             _write_tokenizer(tokenizer_path, tmp, text.get("max_position_embeddings"))
         for f in tmp.iterdir():
-            _fsync(f)
-        _fsync(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         if out.is_dir():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             out.rename(old)  # only now, with the new folder complete, does the old one go
@@ -189,7 +182,7 @@ def write_model_folder(
             shutil.rmtree(old)
         else:
             tmp.rename(out)
-        _fsync(out.parent)
+        fsync_path(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

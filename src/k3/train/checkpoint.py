@@ -61,9 +61,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-_fsync = fsync_path
-
-
 def meta_checksum(meta: dict[str, Any]) -> str:
     """sha256 of meta.json's content without its own checksum, independent of key order and spacing."""
     body = {k: v for k, v in meta.items() if k != "meta_sha256"}
@@ -142,11 +139,11 @@ def save_checkpoint(
     }
     write_meta(tmp, meta)
     for f in (*FILES, "meta.json"):
-        _fsync(tmp / f)
+        fsync_path(tmp / f)
     if final.exists():  # re-saving the same step: replace it
         shutil.rmtree(final)
     tmp.rename(final)
-    _fsync(run_dir)
+    fsync_path(run_dir)
     for old in step_dirs(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
