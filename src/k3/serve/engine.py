@@ -18,7 +18,7 @@ from k3.serve.model_runner import ModelRunner
 from k3.serve.plan import StepPlan
 from k3.serve.pool import PagePool
 from k3.serve.prefix_cache import PrefixCache
-from k3.serve.sampling import SamplingParams, sample
+from k3.serve.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from k3.serve.scheduler import Scheduler, SchedulerConfig
 from k3.serve.sequence import FinishReason, Sequence
 
@@ -51,6 +51,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None = None  # why a request failed (finish_reason "error", set by k3.serve.async_engine)
+    # one per new token when the request's SamplingParams.logprobs is set (raw model distribution), else None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class LLMEngine:
@@ -143,9 +145,11 @@ class LLMEngine:
         seqs = [p.seq for p in plan.sampled]
         if not seqs:
             return []
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        params = [s.params for s in seqs]
+        tokens = sample(logits, params, [s.generator for s in seqs])
+        logprobs = token_logprobs(logits, tokens, params)
         outputs = []
-        for seq, token in zip(seqs, tokens.tolist(), strict=True):
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs, strict=True):
             new_text = seq.append_output(token, self.eos_id)
             if seq.is_finished:
                 self.scheduler.finish(seq)
@@ -153,7 +157,7 @@ class LLMEngine:
             outputs.append(RequestOutput(
                 seq.request_id, new_text, [token], seq.is_finished,
                 seq.finish_reason.value if seq.finish_reason else None, seq.num_prompt_tokens,
-                seq.num_output_tokens, seq.num_cached_tokens,
+                seq.num_output_tokens, seq.num_cached_tokens, logprobs=None if logprob is None else [logprob],
             ))  # fmt: skip
         return outputs
 

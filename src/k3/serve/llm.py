@@ -13,7 +13,7 @@ import torch
 
 from k3.serve.async_engine import AsyncEngine, RequestHandle
 from k3.serve.engine import EngineConfig, LLMEngine
-from k3.serve.sampling import SamplingParams
+from k3.serve.sampling import SamplingParams, TokenLogprob
 from k3.serve.scheduler import SchedulerConfig
 
 
@@ -26,6 +26,7 @@ class Completion:
     finish_reason: str
     num_prompt_tokens: int
     num_cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids when SamplingParams.logprobs is set
 
 
 class LLM:
@@ -99,14 +100,17 @@ class LLM:
         return done
 
     def _collect(self, handle: RequestHandle, prompt: str | list[int]) -> Completion:
-        text, tokens, out = [], [], None
+        text, tokens, logprobs, out = [], [], None, None
         for out in handle:
             text.append(out.new_text)
             tokens += out.new_token_ids
+            if out.logprobs is not None:
+                logprobs = logprobs if logprobs is not None else []
+                logprobs.extend(out.logprobs)
         if out.finish_reason == "error":
             raise RuntimeError(f"request {handle.request_id} failed in the engine: {out.error}")
         return Completion(handle.request_id, prompt, "".join(text), tokens, out.finish_reason,
-                          out.num_prompt_tokens, out.num_cached_tokens)  # fmt: skip
+                          out.num_prompt_tokens, out.num_cached_tokens, logprobs)  # fmt: skip
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request as it is generated. Other requests (other streams, generate calls)

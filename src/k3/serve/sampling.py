@@ -3,7 +3,12 @@
 Every row of a batch carries its own SamplingParams and its own torch.Generator, so a seeded request
 draws the same tokens whatever else shares its batch and wherever it sits in it.
 
-Shape suffixes: B rows in the batch, S rows that sample (temperature > 0), V vocabulary.
+Log-probabilities (SamplingParams.logprobs) are those of the raw model distribution, log_softmax of the
+logits before temperature, top-k and top-p, as vLLM's default: they say what the model thinks of each
+token whatever the request's sampling settings.
+
+Shape suffixes: B rows in the batch, S rows that sample (temperature > 0), L rows that asked for
+log-probabilities, N alternatives, V vocabulary.
 """
 
 import math
@@ -13,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from k3.model.sampling import filtered_probs
+
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs limit, vLLM's default)
 
 
 def _is_int(x: object) -> bool:
@@ -26,6 +33,9 @@ class SamplingParams:
     temperature 0 is greedy; top_k 0 or -1 is off; top_p 1 is off. stop strings end the output before
     the string (it is never returned); stop_token_ids and eos end it after the token (the engine does
     not detokenise it). max_tokens counts generated tokens. seed makes the request reproducible.
+    logprobs: None (off) or N in [0, 20]: each output carries the sampled token's log-probability and
+    the N most likely tokens', under the raw model distribution (log_softmax of the logits, before
+    temperature, top-k and top-p).
     """
 
     temperature: float = 1.0
@@ -36,6 +46,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -61,6 +72,9 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        n = self.logprobs
+        if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}], got {n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +124,39 @@ def sample(
             drawn_S[j] = torch.multinomial(probs_SV[j], 1, generator=generators[i])[0]
     tokens_B[rows_S] = drawn_S
     return tokens_B
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token under the raw model distribution: its id and log-probability, and the N most
+    likely tokens as (token id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor, params: Sequence[SamplingParams]
+                   ) -> list[TokenLogprob | None]:  # fmt: skip
+    """The log-probabilities of each row's sampled token and its top-N, for the rows whose params ask for
+    them (None for the others, which cost nothing). log_softmax in fp32 (fp64 for an fp64 model) over the
+    raw logits; only the L asking rows' chosen and top-N values reach the host."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(params)
+    if not rows:
+        return out
+    device = logits_BV.device
+    rows_L = torch.tensor(rows, device=device)
+    logprobs_LV = torch.log_softmax(logits_BV[rows_L].to(torch.promote_types(logits_BV.dtype, torch.float32)), -1)
+    chosen_L = logprobs_LV.gather(1, tokens_B[rows_L][:, None]).squeeze(1)
+    n = min(max(params[i].logprobs for i in rows), logits_BV.shape[1])
+    top_values_LN, top_ids_LN = logprobs_LV.topk(n, dim=-1, sorted=True)  # n may be 0: empty (L, 0)
+    top_values_LN, top_ids_LN = top_values_LN.tolist(), top_ids_LN.tolist()
+    tokens = tokens_B[rows_L].tolist()
+    for j, (i, chosen) in enumerate(zip(rows, chosen_L.tolist(), strict=True)):
+        k = params[i].logprobs
+        out[i] = TokenLogprob(tokens[j], chosen, tuple(zip(top_ids_LN[j][:k], top_values_LN[j][:k], strict=True)))
+    return out
 
 
 class StopChecker:
