@@ -4,13 +4,21 @@ the unmodified `openai` client (completion and chat, streamed and not)."""
 
 import math
 
+import openai
 import pytest
 import torch
 
+from k3.chat import ChatEncoder
+from k3.serve.async_engine import AsyncEngine
+from k3.serve.detokenizer import IncrementalDetokenizer
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import MAX_LOGPROBS, SamplingParams, token_logprobs
 from k3.serve.scheduler import SchedulerConfig
+from k3.server import ServerLimits
+from k3.server.app import create_app
+from k3.server.logprobs import TokenText
 from k3.train.tokenizer import byte_tokenizer
+from server_helpers import ServerThread
 from tiny_models import tiny_model
 
 TOK = byte_tokenizer()
@@ -109,3 +117,123 @@ def test_logprobs_out_of_range_is_refused(bad):
     with pytest.raises(ValueError, match="logprobs must be None"):
         SamplingParams(logprobs=bad)
     assert SamplingParams(logprobs=MAX_LOGPROBS).logprobs == 20
+
+
+# ---- the server: OpenAI's formats, read by the official client
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = AsyncEngine(LLMEngine(model, TOK, EngineConfig(num_pages=400)))
+        engine.start()
+        app = create_app(engine, MODEL, ServerLimits(max_model_len=256, max_tokens=32, max_n=2))
+        with ServerThread(app) as url:
+            yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        engine.shutdown(drain_timeout=0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+TEXTS = TokenText(TOK)
+GREEDY = {"model": MODEL, "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def greedy_reference(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """n greedy tokens by uncached forwards, and the (n, V) log-probabilities each was chosen from."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(reference_logprobs(model, ids)[-1].argmax()))
+    return ids[len(prompt) :], reference_logprobs(model, ids)[len(prompt) - 1 : -1]
+
+
+def test_completion_logprobs_in_openai_legacy_format(served, model):
+    prompt = "logprobs, please: "
+    tokens, ref_TV = greedy_reference(model, TOK.encode(prompt), 6)
+    done = served.completions.create(prompt=prompt, logprobs=3, **GREEDY)
+    lp = done.choices[0].logprobs
+    assert lp.tokens == [TEXTS.text(t) for t in tokens]
+    assert lp.token_logprobs == pytest.approx([ref_TV[k, t].item() for k, t in enumerate(tokens)], abs=1e-9)
+    for k, top in enumerate(lp.top_logprobs):
+        values, ids = ref_TV[k].topk(3)
+        assert list(top) == [TEXTS.text(i) for i in ids.tolist()]  # most likely first
+        assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-9)
+        assert lp.token_logprobs[k] == pytest.approx(max(top.values()), abs=1e-12)  # greedy: the top-1
+    # each token's text starts where the text so far ends (a token that ends inside a character: where it resumes)
+    detok, offsets, emitted = IncrementalDetokenizer(TOK), [], 0
+    for k in range(len(tokens)):
+        offsets.append(emitted)
+        emitted += len(detok.step(tokens[: k + 1], final=k == len(tokens) - 1))
+    assert lp.text_offset == offsets and emitted == len(done.choices[0].text)
+
+    streamed = list(served.completions.create(prompt=prompt, logprobs=3, stream=True, **GREEDY))
+    parts = [ch.choices[0].logprobs for ch in streamed if ch.choices]
+    assert [t for p in parts for t in p.tokens] == lp.tokens
+    # the second request reads its prompt from the prefix cache: the same values to fp64 rounding
+    assert [v for p in parts for v in p.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-9)
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset
+    tops = [d for p in parts for d in p.top_logprobs]
+    assert [list(d) for d in tops] == [list(d) for d in lp.top_logprobs]
+    flat = [v for d in lp.top_logprobs for v in d.values()]
+    assert [v for d in tops for v in d.values()] == pytest.approx(flat, abs=1e-9)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == done.choices[0].text
+
+    plain = served.completions.create(prompt=prompt, **GREEDY)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == done.choices[0].text
+    zero = served.completions.create(prompt=prompt, logprobs=0, **GREEDY).choices[0].logprobs
+    assert zero.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-9) and zero.top_logprobs == [{}] * 6
+
+
+def test_chat_logprobs_in_openai_format(served, model):
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = ChatEncoder(TOK).render(messages, thinking=True).ids
+    tokens, ref_TV = greedy_reference(model, prompt, 6)
+    done = served.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **GREEDY)
+    content = done.choices[0].logprobs.content
+    n = done.usage.completion_tokens
+    assert len(content) == n  # one entry per generated token, the chat format's structure and reasoning included
+    for k, entry in enumerate(content):
+        t = tokens[k]
+        assert entry.token == TEXTS.text(t) and bytes(entry.bytes) == TEXTS.bytes(t)
+        assert entry.logprob == pytest.approx(ref_TV[k, t].item(), abs=1e-9)
+        values, ids = ref_TV[k].topk(2)
+        assert [a.token for a in entry.top_logprobs] == [TEXTS.text(i) for i in ids.tolist()]
+        assert [bytes(a.bytes) for a in entry.top_logprobs] == [TEXTS.bytes(i) for i in ids.tolist()]
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-9)
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-12)
+
+    streamed = list(served.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, stream=True,
+                                                   **GREEDY))  # fmt: skip
+    entries = [e for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.bytes, [(a.token, a.bytes) for a in e.top_logprobs]) for e in entries] == [
+        (e.token, e.bytes, [(a.token, a.bytes) for a in e.top_logprobs]) for e in content
+    ]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in content], abs=1e-9)
+
+    no_top = served.chat.completions.create(messages=messages, logprobs=True, **GREEDY).choices[0].logprobs
+    assert [e.logprob for e in no_top.content] == pytest.approx([e.logprob for e in content], abs=1e-9)
+    assert all(e.top_logprobs == [] for e in no_top.content)
+    assert served.chat.completions.create(messages=messages, **GREEDY).choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param", "needle"),
+    [({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+     ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "greater than or equal to 0")],
+)  # fmt: skip
+def test_chat_logprobs_refused_by_name(served, kwargs, param, needle):
+    with pytest.raises(openai.BadRequestError) as e:
+        served.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kwargs, **GREEDY)
+    error = e.value.body
+    assert error["param"] == param and needle in error["message"]
+
+
+@pytest.mark.parametrize(("logprobs", "needle"), [(21, "less than or equal to 20"), (-1, "greater than or equal")])
+def test_completion_logprobs_refused_by_name(served, logprobs, needle):
+    with pytest.raises(openai.BadRequestError) as e:
+        served.completions.create(prompt="x", logprobs=logprobs, **GREEDY)
+    assert e.value.body["param"] == "logprobs" and needle in e.value.body["message"]

@@ -174,7 +174,8 @@ def post(url: str, path: str, body, **kw) -> httpx.Response:
         ({"prompt": ""}, "prompt", "empty"),
         ({"prompt": [300]}, "prompt", "outside the vocabulary"),
         ({"prompt": "x", "model": "gpt-4"}, "model", "is not served here"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs", "greater than or equal to 0"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
         ({"prompt": "x", "presence_penalty": 1.0}, "presence_penalty", "not supported"),
         ({"prompt": "x", "stop": [""]}, "stop", "non-empty"),
@@ -192,8 +193,11 @@ def test_invalid_completion_parameters_are_400(served, body, param, needle):
 
 def test_invalid_chat_and_body_errors(served):
     bad = [({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-           ({"messages": HISTORY, "logprobs": True}, "logprobs"), ({"messages": HISTORY, "top_logprobs": 2},
-           "top_logprobs"), ({"messages": HISTORY, "max_completion_tokens": 0}, "max_completion_tokens")]  # fmt: skip
+           ({"messages": HISTORY, "top_logprobs": 2}, "top_logprobs"),
+           ({"messages": HISTORY, "logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+           ({"messages": HISTORY, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+           ({"messages": HISTORY, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+           ({"messages": HISTORY, "max_completion_tokens": 0}, "max_completion_tokens")]  # fmt: skip
     for body, param in bad:
         r = post(served, "/v1/chat/completions", {"model": MODEL, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -5,7 +5,7 @@
 import asyncio
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -16,9 +16,11 @@ from k3.server.chat_stream import ChatChoice
 from k3.server.errors import APIError, error_body, install_error_handlers
 from k3.server.guard import Guard, ServerState
 from k3.server.limits import ServerLimits
+from k3.server.logprobs import ChatLogprobs, CompletionLogprobs, TokenText
 from k3.server.metrics import ServerMetrics
 from k3.server.params import (
     Submission,
+    chat_logprobs,
     chat_max_tokens,
     check_common,
     completion_prompts,
@@ -44,10 +46,16 @@ class Server:
     state: ServerState
     chat: ChatEncoder | None
     chat_error: str | None
+    token_text: TokenText | None = field(default=None)  # made on first use: only log-probabilities need it
 
     @property
     def tokenizer(self):
         return self.engine.engine.tokenizer
+
+    def texts(self) -> TokenText:
+        if self.token_text is None:
+            self.token_text = TokenText(self.tokenizer)
+        return self.token_text
 
     @property
     def vocab_size(self) -> int:
@@ -131,6 +139,14 @@ def _routes(app: FastAPI, srv: Server) -> None:
         run = Run(srv.engine, srv.metrics, "cmpl")
         await run.submit(completion_submissions(body, prompts, srv.limits))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        logprobs = {i: CompletionLogprobs(srv.texts()) for i in run.choices} if body.logprobs is not None else {}
+
+        def add_logprobs(i: int, out) -> None:
+            if i in logprobs:
+                logprobs[i].add(out.logprobs, out.new_text)
+
+        def take_logprobs(i: int) -> dict | None:
+            return logprobs[i].take() if i in logprobs else None
 
         def chunk(choices: list[dict], usage: dict | None = None) -> dict:
             out = {"id": run.id, "object": "text_completion", "created": run.created, "model": srv.model_name,
@@ -143,9 +159,10 @@ def _routes(app: FastAPI, srv: Server) -> None:
 
             async def events():
                 async for i, out in run.outputs():
+                    add_logprobs(i, out)
                     if out.new_text or out.finished:
                         reason = out.finish_reason if out.finished else None
-                        yield sse_event(chunk([{"index": i, "text": out.new_text, "logprobs": None,
+                        yield sse_event(chunk([{"index": i, "text": out.new_text, "logprobs": take_logprobs(i),
                                                 "finish_reason": reason}]))  # fmt: skip
                 if include_usage:
                     yield sse_event(chunk([], run.usage()))
@@ -154,8 +171,9 @@ def _routes(app: FastAPI, srv: Server) -> None:
         texts: dict[int, list[str]] = {i: [] for i in run.choices}
         async with _cancel_on_disconnect(request, run):
             async for i, out in run.outputs():
+                add_logprobs(i, out)
                 texts[i].append(out.new_text)
-        choices = [{"index": i, "text": "".join(texts[i]), "logprobs": None,
+        choices = [{"index": i, "text": "".join(texts[i]), "logprobs": take_logprobs(i),
                     "finish_reason": run.choices[i].finish_reason} for i in sorted(texts)]  # fmt: skip
         return {"id": run.id, "object": "text_completion", "created": run.created, "model": srv.model_name,
                 "choices": choices, "usage": run.usage()}  # fmt: skip
@@ -182,19 +200,28 @@ def _routes(app: FastAPI, srv: Server) -> None:
             raise APIError(400, f"the chat tokens' ids reach {max(ids)}; the model has {srv.vocab_size} tokens",
                            param="messages", code="no_chat_format")  # fmt: skip
         max_tokens = chat_max_tokens(body, len(ids), srv.limits)
+        want_logprobs = chat_logprobs(body)
         end = (srv.chat.token_ids.end_of_msg,)
         # stop strings apply to the parsed content, not to the raw token stream (which carries the structure)
-        subs = [Submission(j, 0, ids, sampling_params(body, max_tokens, j, (), end)) for j in range(body.n)]
+        subs = [Submission(j, 0, ids, sampling_params(body, max_tokens, j, (), end, want_logprobs))
+                for j in range(body.n)]  # fmt: skip
         run = Run(srv.engine, srv.metrics, "chatcmpl")
         await run.submit(subs)
         stop = stop_strings(body)
         parsed = {j: ChatChoice(srv.chat, options.thinking, stop) for j in run.choices}
+        logprobs = {j: ChatLogprobs(srv.texts()) for j in run.choices} if want_logprobs is not None else {}
+
+        def take_logprobs(j: int) -> dict | None:
+            return logprobs[j].take() if j in logprobs else None
+
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def advance(j: int, out) -> tuple[dict, str | None] | None:
             choice = parsed[j]
             if choice.done:
                 return None  # output after a stop string ended this choice
+            if j in logprobs:
+                logprobs[j].add(out.logprobs)
             delta = choice.feed(out.new_token_ids, out.finished)
             if choice.stopped and not out.finished:
                 run.choices[j].handle.cancel()
@@ -216,7 +243,7 @@ def _routes(app: FastAPI, srv: Server) -> None:
                 async for j, out in run.outputs():
                     step = advance(j, out)
                     if step is not None and (step[0] or step[1]):
-                        yield sse_event(chunk([{"index": j, "delta": step[0], "logprobs": None,
+                        yield sse_event(chunk([{"index": j, "delta": step[0], "logprobs": take_logprobs(j),
                                                 "finish_reason": step[1]}]))  # fmt: skip
                 if include_usage:
                     yield sse_event(chunk([], run.usage()))
@@ -225,7 +252,7 @@ def _routes(app: FastAPI, srv: Server) -> None:
         async with _cancel_on_disconnect(request, run):
             async for j, out in run.outputs():
                 advance(j, out)
-        choices = [{"index": j, "message": parsed[j].message(), "logprobs": None,
+        choices = [{"index": j, "message": parsed[j].message(), "logprobs": take_logprobs(j),
                     "finish_reason": parsed[j].finish_reason(run.choices[j].finish_reason)}
                    for j in sorted(run.choices)]  # fmt: skip
         return {"id": run.id, "object": "chat.completion", "created": run.created, "model": srv.model_name,

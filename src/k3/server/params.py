@@ -67,8 +67,10 @@ def max_tokens_for(requested: int | None, param: str, prompt_tokens: int, limits
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int,
-                    stop: tuple[str, ...], stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:  # fmt: skip
-    """Choice j of a seeded request samples with seed + j: the choices differ, and the request repeats."""
+                    stop: tuple[str, ...], stop_token_ids: tuple[int, ...] = (),
+                    logprobs: int | None = None) -> SamplingParams:  # fmt: skip
+    """Choice j of a seeded request samples with seed + j: the choices differ, and the request repeats.
+    logprobs: the engine's (None: off, else the number of alternatives per token)."""
     seed = None if body.seed is None else (body.seed + choice) % (1 << 63)
     try:
         return SamplingParams(
@@ -80,6 +82,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             stop_token_ids=stop_token_ids,
             ignore_eos=body.ignore_eos,
             seed=seed,
+            logprobs=logprobs,
         )
     except ValueError as e:  # the protocol's ranges match SamplingParams'; this is the backstop
         raise APIError(400, str(e)) from None
@@ -108,27 +111,32 @@ def completion_prompts(body: CompletionRequest, encode, vocab_size: int, limits:
 
 
 def completion_submissions(body: CompletionRequest, prompts: list[list[int]], limits: ServerLimits) -> list[Submission]:
-    if body.logprobs is not None:
-        raise _unsupported("logprobs", "the engine does not return log-probabilities yet")
     if body.echo:
         raise _unsupported("echo", "the prompt is not returned with the completion")
     if body.suffix:
         raise _unsupported("suffix", "K3 has no fill-in-the-middle format")
     if body.best_of is not None and body.best_of != body.n:
-        raise _unsupported("best_of", "ranking needs log-probabilities; use n")
+        raise _unsupported("best_of", "choices are not ranked by log-probability here; use n")
     stop = stop_strings(body)
     subs = []
     for i, ids in enumerate(prompts):
         max_tokens = max_tokens_for(body.max_tokens, "max_tokens", len(ids), limits, DEFAULT_MAX_TOKENS)
         for j in range(body.n):
-            subs.append(Submission(i * body.n + j, i, ids, sampling_params(body, max_tokens, j, stop)))
+            params = sampling_params(body, max_tokens, j, stop, logprobs=body.logprobs)
+            subs.append(Submission(i * body.n + j, i, ids, params))
     return subs
 
 
+def chat_logprobs(body: ChatCompletionRequest) -> int | None:
+    """The engine's logprobs for a chat request: None without `logprobs: true`, else top_logprobs (0 if absent).
+    top_logprobs without logprobs is refused, as OpenAI does, rather than silently returning nothing."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true (top_logprobs is how many alternatives each "
+                       "token's entry lists)", param="top_logprobs")  # fmt: skip
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
 def chat_max_tokens(body: ChatCompletionRequest, prompt_tokens: int, limits: ServerLimits) -> int:
-    if body.logprobs or body.top_logprobs is not None:
-        raise _unsupported("logprobs" if body.logprobs else "top_logprobs",
-                           "the engine does not return log-probabilities yet")  # fmt: skip
     if body.max_completion_tokens is not None:
         return max_tokens_for(body.max_completion_tokens, "max_completion_tokens", prompt_tokens, limits, None,
                               "messages")  # fmt: skip

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from k3.serve.sampling import MAX_LOGPROBS
+
 SEED_LIMIT = 2**63  # SamplingParams' seed range: [0, 2**63)
 
 Temperature = Annotated[float, Field(ge=0, le=2)]
@@ -48,7 +50,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Annotated[int, Field(ge=0)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # alternatives per token (vLLM's 20)
     echo: bool = False
     best_of: Annotated[int, Field(ge=1)] | None = None
     suffix: str | None = None
@@ -108,7 +110,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     parallel_tool_calls: bool | None = None
