@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from k3.chat import ChatEncoder
+from k3.cli import main
 from k3.serve.async_engine import AsyncEngine
 from k3.serve.detokenizer import IncrementalDetokenizer
 from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.llm import LLM
 from k3.serve.sampling import MAX_LOGPROBS, SamplingParams, token_logprobs
 from k3.serve.scheduler import SchedulerConfig
 from k3.server import ServerLimits
@@ -237,3 +239,23 @@ def test_completion_logprobs_refused_by_name(served, logprobs, needle):
     with pytest.raises(openai.BadRequestError) as e:
         served.completions.create(prompt="x", logprobs=logprobs, **GREEDY)
     assert e.value.body["param"] == "logprobs" and needle in e.value.body["message"]
+
+
+def test_each_of_n_sampled_choices_gets_its_own_logprobs(served):
+    done = served.completions.create(prompt="two ways: ", n=2, logprobs=2, seed=5, model=MODEL, max_tokens=5,
+                                     temperature=1.0, extra_body={"ignore_eos": True})  # fmt: skip
+    first, second = (c.logprobs for c in sorted(done.choices, key=lambda c: c.index))
+    assert len(first.tokens) == len(second.tokens) == 5 and first.tokens != second.tokens
+    for lp in (first, second):
+        for top in lp.top_logprobs:
+            assert len(top) == 2 and list(top.values()) == sorted(top.values(), reverse=True)
+        assert all(v < 0 for v in lp.token_logprobs)
+
+
+def test_offline_llm_returns_one_logprob_per_token(tmp_path):
+    assert main(["init", "--preset", "tiny", "--out", str(tmp_path)]) == 0
+    with LLM(str(tmp_path), memory_budget=8 << 20) as llm:
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=4)
+        out, plain = llm.generate(["def f(x):", "def f(x):"], [params, SamplingParams(temperature=0, max_tokens=5)])
+    assert [e.token_id for e in out.logprobs] == out.token_ids and plain.logprobs is None
+    assert all(len(e.top) == 4 and e.top[0] == (e.token_id, e.logprob) for e in out.logprobs)
