@@ -139,8 +139,14 @@ def _rerun_command(args: argparse.Namespace, resume: bool, **changes) -> str:
 
 def _interrupted(command: str, args: argparse.Namespace, trainer) -> int:
     """Ctrl-C: where the run stood and the command that continues it; exit status 130 as a shell reports."""
+    from k3.train.checkpoint import step_dirs
+
     step = 0 if trainer is None else trainer.step
     saved = None if trainer is None else trainer.saved_step
+    if trainer is not None:
+        # Ctrl-C can land after a checkpoint's folder is renamed into place but before the trainer notes it
+        on_disk = [int(p.name.rsplit("_", 1)[1]) for p in step_dirs(trainer.run)]
+        saved = max([s for s in (saved, *on_disk) if s is not None], default=None)
     if saved is None:
         print(f"\nk3 {command}: interrupted at step {step}, before the first checkpoint; start again with: "
               f"{_rerun_command(args, resume=False)}", file=sys.stderr)  # fmt: skip
