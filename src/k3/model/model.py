@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from k3.config import K3Config
@@ -34,6 +35,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.index, self.kind = index, config.layer_types[index]
+        self.activation_checkpointing = False  # K3Model.set_activation_checkpointing
         self.self_attn = GatedMLA(config) if self.kind == "mla" else KimiDeltaAttention(config)
         if config.ffn_types[index] == "dense":
             self.mlp = GatedMLP(d, config.intermediate_size, config.hidden_act, config.activation_situ_beta,
@@ -59,14 +61,24 @@ class DecoderLayer(nn.Module):
         """Attention then FFN, each pre-normed, reading from and adding to the residual stream (updated in
         place). Returns the MoE's routing decision (None for a dense FFN), for load balancing."""
         stream.begin_layer(self.index)
-        stream.add(self.self_attn(self.input_layernorm(stream.input(self.res_query("self_attention"))), cache))
-        h = self.post_attention_layernorm(stream.input(self.res_query("mlp")))
-        if hasattr(self, "mlp"):
-            out, routing = self.mlp(h), None
-        else:
-            out, routing = self.block_sparse_moe(h)
+        stream.add(self._sublayer(self._attention, stream.input(self.res_query("self_attention")), cache))
+        out, routing = self._sublayer(self._ffn, stream.input(self.res_query("mlp")))
         stream.add(out)
         return routing
+
+    def _attention(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x), cache)
+
+    def _ffn(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterOutput | None]:
+        h = self.post_attention_layernorm(x)
+        return (self.mlp(h), None) if hasattr(self, "mlp") else self.block_sparse_moe(h)
+
+    def _sublayer(self, fn, x: torch.Tensor, *args):
+        """fn(x, *args), or with activation checkpointing (training, no cache) only x is kept and the
+        sublayer's activations are recomputed in the backward: memory per layer drops to its input."""
+        if self.activation_checkpointing and torch.is_grad_enabled() and not any(a is not None for a in args):
+            return torch.utils.checkpoint.checkpoint(fn, x, *args, use_reentrant=False)
+        return fn(x, *args)
 
 
 class K3TextModel(nn.Module):
@@ -107,6 +119,14 @@ class K3Model(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.reset_parameters()
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> "K3Model":
+        """Recompute each sublayer's activations (attention, FFN/MoE) in the backward instead of keeping
+        them: training memory per layer drops to the sublayers' inputs, at one more forward of compute.
+        Results are unchanged (the recomputation is the same arithmetic)."""
+        for layer in self.model.layers:
+            layer.activation_checkpointing = enabled
+        return self
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

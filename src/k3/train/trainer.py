@@ -96,6 +96,9 @@ class TrainArgs:
     init_from: str | None = _arg(None, "start from the weights, config and tokenizer of a run, step or model folder")
     text_only: bool = _arg(False, "with --init-from: a multimodal model folder's language model only")
     tensorboard: bool = _arg(False, "also log to <out>/tensorboard/ (needs the tensorboard package)")
+    activation_checkpointing: bool = _arg(
+        False, "recompute each sublayer's activations in the backward: less memory, one more forward; same results"
+    )
     progress: bool = _arg(True, "show a progress bar")
 
     def __post_init__(self) -> None:
@@ -214,6 +217,7 @@ class Trainer:
             self.config = K3Config.from_preset(args.preset, vocab_size=self.tokenizer.vocab_size)
         torch.manual_seed(args.seed)
         self.model = (K3Model(self.config) if pretrained is None else pretrained.model.train()).to(self.device)
+        self.model.set_activation_checkpointing(args.activation_checkpointing)
         self.optimizer = self._optimizer(args.expert_optimizer, args.expert_ns_steps)
         self.balancer = None
         if args.balancer == "quantile":

@@ -1,0 +1,85 @@
+"""Training memory of one forward+backward: the small K3 preset, with and without activation
+checkpointing, next to the same-size HF Llama of benchmarks/train_step.py, each in a fresh process.
+
+    python benchmarks/activation_memory.py            # 8 × 256 tokens, fp32, 2 threads
+
+Reported: peak RSS growth of the process over the forward+backward (ru_maxrss after − before, after a
+warm-up step on a smaller batch so allocator pools and libraries are in place), and the bytes autograd
+keeps for the backward (saved-tensor hooks; for checkpointed sublayers, only their inputs).
+"""
+
+import argparse
+import datetime
+import json
+import platform
+import resource
+import subprocess
+import sys
+
+import torch
+
+from k3 import K3Config, K3Model
+
+
+def measure(system: str, batch: int, seq_len: int) -> dict:
+    torch.manual_seed(0)
+    config = K3Config.from_preset("small")
+    if system == "llama":
+        from transformers import LlamaForCausalLM
+
+        sys.path.insert(0, "benchmarks")
+        from k3.model.params import param_report
+        from train_step import llama_like
+
+        model = LlamaForCausalLM(llama_like(param_report(config)["active"], config))
+    else:
+        model = K3Model(config).set_activation_checkpointing(system == "k3 + checkpointing")
+    model.train()
+    tokens = torch.randint(0, config.vocab_size, (batch, seq_len))
+
+    def step(x):
+        model.zero_grad(set_to_none=False)
+        model(x, labels=x).loss.backward()
+
+    step(tokens[:1, :64])  # warm-up: gradients allocated, libraries loaded
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, labels=tokens).loss
+    loss.backward()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"system": system, "peak_growth_mb": (after - before) / 1024, "saved_mb": saved[0] / 2**20}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    if args.one:
+        print(json.dumps(measure(args.one, args.batch, args.seq_len)))
+        return
+    rows = []
+    for system in ("llama", "k3", "k3 + checkpointing"):
+        out = subprocess.run([sys.executable, __file__, "--one", system, "--batch", str(args.batch),
+                              "--seq-len", str(args.seq_len)], capture_output=True, text=True, check=True)  # fmt: skip
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    llama = rows[0]
+    print(f"{datetime.date.today()}, {platform.machine()}, torch {torch.__version__}, fp32, 2 threads, "
+          f"{args.batch} × {args.seq_len} tokens\n")  # fmt: skip
+    print("| system | peak RSS growth MB | ÷ Llama | kept for the backward MB | ÷ Llama |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['system']} | {r['peak_growth_mb']:.0f} | {r['peak_growth_mb'] / llama['peak_growth_mb']:.2f} "
+              f"| {r['saved_mb']:.0f} | {r['saved_mb'] / llama['saved_mb']:.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
