@@ -2,6 +2,7 @@
 checkpointing, next to the same-size HF Llama of benchmarks/train_step.py, each in a fresh process.
 
     python benchmarks/activation_memory.py            # 8 × 256 tokens, fp32, 2 threads
+    python benchmarks/activation_memory.py --by-component    # k3's kept bytes per token by component
 
 Reported: peak RSS growth of the process over the forward+backward (ru_maxrss after − before, after a
 warm-up step on a smaller batch so allocator pools and libraries are in place), and the bytes autograd
@@ -56,13 +57,59 @@ def measure(system: str, batch: int, seq_len: int) -> dict:
     return {"system": system, "peak_growth_mb": (after - before) / 1024, "saved_mb": saved[0] / 2**20}
 
 
+def by_component(batch: int, seq_len: int) -> dict[str, int]:
+    """Bytes autograd keeps for the backward, attributed to the innermost component running when each
+    tensor is saved: KDA / MLA attention, MoE, dense FFN, the rest of a layer (AttnRes mixing, norms),
+    embedding, LM head, and the loss."""
+    torch.manual_seed(0)
+    model = K3Model(K3Config.from_preset("small")).train()
+    tags: list[str] = []
+
+    def leave(module, inputs, output) -> None:  # a forward hook's return value would replace the output
+        tags.pop()
+
+    for layer in model.model.layers:
+        parts = [(layer, "AttnRes mixing and norms"),
+                 (layer.self_attn, "KDA attention" if layer.kind == "kda" else "MLA attention"),
+                 (getattr(layer, "mlp", None), "dense FFN"),
+                 (getattr(layer, "block_sparse_moe", None), "MoE")]  # fmt: skip
+        for module, name in parts:
+            if module is not None:
+                module.register_forward_pre_hook(lambda m, i, name=name: tags.append(name))
+                module.register_forward_hook(leave)
+    for module, name in [(model.model.embed_tokens, "embedding"), (model.lm_head, "LM head")]:
+        module.register_forward_pre_hook(lambda m, i, name=name: tags.append(name))
+        module.register_forward_hook(leave)
+    kept: dict[str, int] = {}
+
+    def pack(t):
+        name = tags[-1] if tags else "loss and final norm"
+        kept[name] = kept.get(name, 0) + t.numel() * t.element_size()
+        return t
+
+    tokens = torch.randint(0, model.config.vocab_size, (batch, seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, labels=tokens).loss
+    loss.backward()
+    return kept
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--by-component", action="store_true", help="k3's kept bytes per token, by component")
     args = p.parse_args()
     torch.set_num_threads(2)
+    if args.by_component:
+        kept = by_component(args.batch, args.seq_len)
+        tokens = args.batch * args.seq_len
+        print("| component | kept KB per token | share |\n|---|---|---|")
+        for name, n in sorted(kept.items(), key=lambda kv: -kv[1]):
+            print(f"| {name} | {n / tokens / 1024:.1f} | {n / sum(kept.values()):.0%} |")
+        print(f"| all | {sum(kept.values()) / tokens / 1024:.1f} | 100% |")
+        return
     if args.one:
         print(json.dumps(measure(args.one, args.batch, args.seq_len)))
         return
