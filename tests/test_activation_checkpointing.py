@@ -1,12 +1,11 @@
 """Activation checkpointing per sublayer: the same loss and gradients, bitwise, with less kept for the
 backward; and `k3 train --activation-checkpointing` logs the same losses."""
 
-import json
-
 import torch
 
 from k3 import K3Config, K3Model
 from k3.cli import main
+from tiny_runs import logged_losses, tiny_train_args
 
 
 def loss_grads_and_saved_bytes(model: K3Model, tokens: torch.Tensor):
@@ -45,17 +44,7 @@ def test_same_loss_and_gradients_with_less_kept():
 
 
 def test_train_flag_gives_the_same_losses(tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(40):
-        (corpus / f"m{i}.py").write_text("".join(f"def f_{i}_{j}(x):\n    return x * {j}\n" for j in range(6)))
-    args = ["train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
-            "--steps", "3", "--warmup", "1", "--eval-every", "3", "--eval-batches", "1", "--no-progress",
-            "--data", str(corpus)]  # fmt: skip
+    args = tiny_train_args(tmp_path)
     assert main([*args, "--out", str(tmp_path / "plain")]) == 0
     assert main([*args, "--out", str(tmp_path / "ckpt"), "--activation-checkpointing"]) == 0
-
-    def losses(run):
-        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-    assert losses(tmp_path / "plain") == losses(tmp_path / "ckpt")
+    assert logged_losses(tmp_path / "plain") == logged_losses(tmp_path / "ckpt")

@@ -3,7 +3,6 @@ is installed for CPU tensors, and the op, the model, the serving engine and a tr
 through it and compared with the torch path."""
 
 import importlib.metadata
-import json
 import warnings
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.train.tokenizer import byte_tokenizer
 from kda_inputs import grads_of, make_inputs, random_state, rel_rms
+from tiny_runs import logged_losses, tiny_train_args
 
 TOK = byte_tokenizer()
 
@@ -288,22 +288,12 @@ def test_engine_through_the_standin(standin, dtype):
 
 def test_train_cli_through_the_standin(standin, tmp_path):
     """`k3 train` with fla's kernels stood in logs the losses of the torch path, bitwise."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for i in range(40):
-        (corpus / f"m{i}.py").write_text("".join(f"def f_{i}_{j}(x):\n    return x * {j}\n" for j in range(6)))
-    args = ["train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
-            "--steps", "3", "--warmup", "1", "--eval-every", "3", "--eval-batches", "1", "--no-progress",
-            "--data", str(corpus)]  # fmt: skip
+    args = tiny_train_args(tmp_path)
     assert main([*args, "--out", str(tmp_path / "fla")]) == 0
     assert "chunk_kda" in standin
     with use_kernels(None, "none"):
         assert main([*args, "--out", str(tmp_path / "torch")]) == 0
-
-    def losses(run):
-        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-    assert losses(tmp_path / "fla") == losses(tmp_path / "torch")
+    assert logged_losses(tmp_path / "fla") == logged_losses(tmp_path / "torch")
 
 
 def test_the_pinned_fla_range_is_the_tested_one():
