@@ -80,23 +80,13 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KDALayerCache | GroupedLayerCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, K, V = self.H, self.K, self.V
-        if torch.is_grad_enabled():
-            # q, k, v through one convolution over their concatenated channels: the same arithmetic as
-            # three, with a third of the small element-wise passes. Concatenate whichever is smaller, the
-            # three weights (d values per channel) or the three outputs (B·T per channel).
-            weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
-            if x.shape[-1] > B * T:
-                qkv = torch.cat([F.linear(x, w) for w in weights], dim=-1)
-            else:
-                qkv = F.linear(x, torch.cat(weights))
-            f_a, beta_raw, gate_out = self.f_a_proj(x), self.b_proj(x), self.output_gate(x)
-        else:
-            # inference: every projection of x in one matmul, the weights concatenated once and kept
-            # until a parameter changes (k3.model.derived)
-            out = F.linear(x, self._fused_input(*self._input_weights()))
-            qkv, f_a, beta_raw, g_a = out.split([2 * H * K + H * V, K, H, out.shape[-1] - 2 * H * K - H * V - K - H],
-                                                dim=-1)  # fmt: skip
-            gate_out = g_a if hasattr(self, "g_proj") else self.g_b_proj(g_a)
+        # every projection of x in one matmul over the weights concatenated (q, k, v then go through one
+        # convolution over their channels); at inference the concatenation is kept until a parameter
+        # changes (k3.model.derived), under autograd it is rebuilt each call so gradients reach each weight
+        out = F.linear(x, self._fused_input(*self._input_weights()))
+        qkv, f_a, beta_raw, g_a = out.split([2 * H * K + H * V, K, H, out.shape[-1] - 2 * H * K - H * V - K - H],
+                                            dim=-1)  # fmt: skip
+        gate_out = g_a if hasattr(self, "g_proj") else self.g_b_proj(g_a)
         g_raw = self.f_b_proj(f_a).view(B, T, H, K)
         o = sequence_mixing(cache, self.mix, qkv, g_raw, beta_raw)  # (B, T, H, V)
         gate = torch.sigmoid(gate_out.view(B, T, H, V))
