@@ -46,31 +46,35 @@ class LatentMoE(nn.Module):
         return y_TD.view(shape), routing
 
     def dispatch(self, z_TL: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
-        """Σ_k w_tk · Expert_{e_tk}(z_t), assignments sorted by expert so each expert's tokens are one
-        contiguous run.
-
-        Few assignments (decoding, short prefill chunks): three matmuls per active expert and the
-        activation, weighting and scatter once over all of them; per expert those were most of the ops
-        of a decode step. Many (training): the whole chain per expert, so every temporary stays small
-        and in cache; merged, the activation's multi-MB temporaries made a training step's MoE ~15%
-        slower on CPU.
-        """
+        """Σ_k w_tk · Expert_{e_tk}(z_t): assignments sorted by expert so each expert's tokens are one
+        contiguous run, the experts applied run by run (`experts_forward`), the results weighted and summed
+        back per token. Expert parallelism replaces only the middle step (the runs travel to the ranks that
+        own their experts), so it computes exactly what this does."""
         K = routing.experts_TK.shape[1]
         order_A = routing.experts_TK.flatten().argsort(stable=True)
         tokens_A = order_A // K  # which token each sorted assignment belongs to
         weights_A = routing.weights_TK.flatten()[order_A].to(z_TL.dtype)
-        counts = routing.loads_E.tolist()
-        active = [(self.experts[e], n) for e, n in enumerate(counts) if n]
-        sizes = [n for _, n in active]
-        if len(tokens_A) * self.experts[0].w1.out_features > MERGE_ELEMENTS:
-            h_AL = torch.cat([
-                ex.w2(glu(ex.w1(z), ex.w3(z), *self.act))
-                for (ex, _), z in zip(active, z_TL.index_select(0, tokens_A).split(sizes), strict=True)
-            ])  # fmt: skip
-        else:
-            z_parts = z_TL.index_select(0, tokens_A).split(sizes)  # split: its backward is one cat
-            gate_AI = torch.cat([F.linear(z, ex.w1.weight) for (ex, _), z in zip(active, z_parts, strict=True)])
-            up_AI = torch.cat([F.linear(z, ex.w3.weight) for (ex, _), z in zip(active, z_parts, strict=True)])
-            h_parts = glu(gate_AI, up_AI, *self.act).split(sizes)
-            h_AL = torch.cat([F.linear(h, ex.w2.weight) for (ex, _), h in zip(active, h_parts, strict=True)])
+        h_AL = self.experts_forward(z_TL.index_select(0, tokens_A), routing.loads_E.tolist())
         return torch.zeros_like(z_TL).index_add_(0, tokens_A, h_AL * weights_A[:, None])
+
+    def experts_forward(self, z_AL: torch.Tensor, counts: list[int], first: int = 0) -> torch.Tensor:
+        """z_AL (A, L) sorted by expert, counts[i] rows for expert first + i -> h_AL (A, L), Expert(z) per row.
+
+        Few rows (decoding, short prefill chunks): three matmuls per active expert and the activation once
+        over all of them; per expert those were most of the ops of a decode step. Many (training): the whole
+        chain per expert, so every temporary stays small and in cache; merged, the activation's multi-MB
+        temporaries made a training step's MoE ~15% slower on CPU.
+        """
+        active = [(self.experts[first + i], n) for i, n in enumerate(counts) if n]
+        sizes = [n for _, n in active]
+        if not active:
+            return z_AL.new_zeros(0, z_AL.shape[1])
+        z_parts = z_AL.split(sizes)  # split: its backward is one cat
+        if len(z_AL) * self.experts[first].w1.out_features > MERGE_ELEMENTS:
+            return torch.cat(
+                [ex.w2(glu(ex.w1(z), ex.w3(z), *self.act)) for (ex, _), z in zip(active, z_parts, strict=True)]
+            )
+        gate_AI = torch.cat([F.linear(z, ex.w1.weight) for (ex, _), z in zip(active, z_parts, strict=True)])
+        up_AI = torch.cat([F.linear(z, ex.w3.weight) for (ex, _), z in zip(active, z_parts, strict=True)])
+        h_parts = glu(gate_AI, up_AI, *self.act).split(sizes)
+        return torch.cat([F.linear(h, ex.w2.weight) for (ex, _), h in zip(active, h_parts, strict=True)])
