@@ -117,4 +117,9 @@ class AttnResStream:
     def add(self, out: torch.Tensor) -> None:
         self.partial = out if self.partial is None else self.partial + out
 
+    def summaries(self) -> list[torch.Tensor]:
+        """The block summaries b₁ … b_final, (B, T, d) each (the final block is the partial sum at its end):
+        what a speculative draft reads as the big model's low, mid and high features (k3.spec.draft)."""
+        return [*self.blocks[1:], *([self.partial] if self.partial is not None else [])]
+
     readout = input
