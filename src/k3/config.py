@@ -11,7 +11,7 @@ is the released config.json less its vision part. A config read by `from_hf` wri
 came from: the same nesting (or the flat text-only layout), `quantization_config` where it was found,
 every key k3 does not interpret, and the same key order, so `to_hf(from_hf(x)) == x`; a field the file
 did not have is written only once its value differs from the default. k3's own switches (`residual`,
-`mla_impl`) go under a top-level `"k3"` key, only when they are not the defaults.
+`mla_impl`, `expert_quantization`) go under a top-level `"k3"` key, only when they are not the defaults.
 
 Released keys that select a computation k3 implements one way only (the router's activation, grouped
 top-k, the top-k method, multi-token-prediction layers, dense layers between MoE layers, separate KV
@@ -41,7 +41,7 @@ _LINEAR_ATTN_KEYS = {
     "use_full_rank_gate": "use_full_rank_gate",
 }
 # k3's own switches; not part of the released format, written under "k3" so a round trip keeps them.
-_K3_ONLY = ("residual", "mla_impl")
+_K3_ONLY = ("residual", "mla_impl", "expert_quantization")
 
 # The released config.json around what K3Config interprets: the wrapper's keys, and text_config keys that
 # K3Config has no field for, with their released values. A config made in k3 writes these.
@@ -164,6 +164,9 @@ class K3Config:
     # "auto" (per call, the one with fewer FLOPs: absorbed when decoding)
     residual: str = "attnres"
     mla_impl: str = "auto"
+    # "mxfp4": routed experts compute with MXFP4 weights and MXFP8 (E4M3) inputs, fake-quantised in training
+    # (quantisation-aware training) and packed in serving (SPEC §2.8, k3.quant.qat); None: full precision
+    expert_quantization: str | None = None
     # carried through unchanged: how the weights are stored (compressed-tensors; None: unquantised), and
     # the official file's layout and the keys k3 does not interpret (see to_hf)
     quantization_config: dict[str, Any] | None = None
@@ -213,6 +216,9 @@ class K3Config:
             self._fail("residual", "must be 'attnres' (Block Attention Residuals) or 'standard'")
         if self.mla_impl not in ("naive", "absorbed", "auto"):
             self._fail("mla_impl", "must be 'naive' (per-head k, v), 'absorbed' (latent only) or 'auto'")
+        if self.expert_quantization not in (None, "mxfp4"):
+            self._fail("expert_quantization", "must be None (full precision) or 'mxfp4' (MXFP4 expert weights, "
+                                              "MXFP8 expert inputs)")  # fmt: skip
         if not self.mla_use_nope:
             self._fail("mla_use_nope", "must be True: K3 has no positional encoding and k3 implements no RoPE")
         L = self.num_hidden_layers
@@ -390,8 +396,10 @@ class K3Config:
         quant_section = "top" if nested and extra.get("quantization_in") == "top" else "text"
         if self.quantization_config is not None or had(quant_section, "quantization_config"):
             (top if quant_section == "top" else text)["quantization_config"] = self.quantization_config
-        k3_own = {name: getattr(self, name) for name in _K3_ONLY}
-        if any(k3_own[name] != _DEFAULTS[name] for name in _K3_ONLY) or had(home, "k3"):
+        # a switch that defaults to None is written only when set, so older k3 sections read back unchanged
+        k3_own = {name: getattr(self, name) for name in _K3_ONLY
+                  if _DEFAULTS[name] is not None or getattr(self, name) is not None}  # fmt: skip
+        if any(getattr(self, name) != _DEFAULTS[name] for name in _K3_ONLY) or had(home, "k3"):
             top["k3"] = k3_own
         text = _ordered(text, order["text"] if order else [])
         if not nested:
