@@ -13,6 +13,7 @@ from k3.config import K3Config
 from k3.model.norm import RMSNorm
 from k3.model.router import Router, RouterOutput
 from k3.model.situ import Expert, GatedMLP, glu
+from k3.quant.qat import quantized_input, quantized_weight
 
 # Above this many hidden activations (assignments × expert width) the experts run one whole chain each.
 MERGE_ELEMENTS = 1 << 18
@@ -31,6 +32,7 @@ class LatentMoE(nn.Module):
         self.experts = nn.ModuleList(Expert(L, config.moe_intermediate_size) for _ in range(config.num_experts))
         self.routed_expert_norm = RMSNorm(L, config.rms_norm_eps) if config.latent_moe_use_norm else nn.Identity()
         self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+        self.quantization = config.expert_quantization  # None, or "mxfp4": MXFP4 weights, MXFP8 inputs
         if config.num_shared_experts:
             self.shared_experts = GatedMLP(D, config.moe_intermediate_size * config.num_shared_experts, *self.act)
 
@@ -64,17 +66,32 @@ class LatentMoE(nn.Module):
         over all of them; per expert those were most of the ops of a decode step. Many (training): the whole
         chain per expert, so every temporary stays small and in cache; merged, the activation's multi-MB
         temporaries made a training step's MoE ~15% slower on CPU.
+
+        With expert_quantization "mxfp4" (SPEC §2.8, k3.quant.qat) every expert matmul reads its weight as
+        MXFP4 (fake-quantised master weight, or the packed bytes) and its input as MXFP8, quantised per row
+        in blocks of 32, so the result of a row does not depend on which rows share the call.
         """
         active = [(self.experts[first + i], n) for i, n in enumerate(counts) if n]
         sizes = [n for _, n in active]
         if not active:
             return z_AL.new_zeros(0, z_AL.shape[1])
+        weight, x = (quantized_weight, quantized_input) if self.quantization else (_plain_weight, _identity)
+        z_AL = x(z_AL)
         z_parts = z_AL.split(sizes)  # split: its backward is one cat
         if len(z_AL) * self.experts[first].w1.out_features > MERGE_ELEMENTS:
-            return torch.cat(
-                [ex.w2(glu(ex.w1(z), ex.w3(z), *self.act)) for (ex, _), z in zip(active, z_parts, strict=True)]
-            )
-        gate_AI = torch.cat([F.linear(z, ex.w1.weight) for (ex, _), z in zip(active, z_parts, strict=True)])
-        up_AI = torch.cat([F.linear(z, ex.w3.weight) for (ex, _), z in zip(active, z_parts, strict=True)])
-        h_parts = glu(gate_AI, up_AI, *self.act).split(sizes)
-        return torch.cat([F.linear(h, ex.w2.weight) for (ex, _), h in zip(active, h_parts, strict=True)])
+            return torch.cat([
+                F.linear(x(glu(F.linear(z, weight(ex.w1)), F.linear(z, weight(ex.w3)), *self.act)), weight(ex.w2))
+                for (ex, _), z in zip(active, z_parts, strict=True)
+            ])  # fmt: skip
+        gate_AI = torch.cat([F.linear(z, weight(ex.w1)) for (ex, _), z in zip(active, z_parts, strict=True)])
+        up_AI = torch.cat([F.linear(z, weight(ex.w3)) for (ex, _), z in zip(active, z_parts, strict=True)])
+        h_parts = x(glu(gate_AI, up_AI, *self.act)).split(sizes)
+        return torch.cat([F.linear(h, weight(ex.w2)) for (ex, _), h in zip(active, h_parts, strict=True)])
+
+
+def _plain_weight(layer: nn.Module) -> torch.Tensor:
+    return layer.weight
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x

@@ -86,7 +86,7 @@ class MXFP4Linear(nn.Module):
 
 def _routed_projections(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
     """Every routed expert projection as (qualified name, owning expert, attribute, layer)."""
-    from k3.model.moe import LatentMoE  # deferred: k3.model must not need k3.quant to import
+    from k3.model.moe import LatentMoE  # deferred: k3.model.moe imports k3.quant (QAT), not the reverse
 
     found = []
     for moe_name, module in model.named_modules():

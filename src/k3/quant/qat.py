@@ -1,0 +1,105 @@
+"""Quantisation-aware training of the routed experts (SPEC §2.8): MXFP4 weights, MXFP8 (E4M3) inputs.
+
+    Expert(z) = W2q · act(W1q · zq, W3q · zq)q        Wq = MXFP4(W)   xq = MXFP8_E4M3(x)   (blocks of 32
+                                                                                           along the reduction)
+
+in the forward pass; the backward passes every gradient straight through each quantiser (d xq / d x = 1).
+The master weights stay what they are (fp32 on CPU). LatentMoE.experts_forward applies this when the
+model's config says `expert_quantization="mxfp4"`, for dense experts (training: the weights are fake-quantised
+on every forward) and for MXFP4-packed ones (serving: the weights are the packed bytes, dequantised), so a
+QAT model and its packed export compute the same function, bitwise: the fake-quantised weight equals
+dequant(pack(W)) value for value, and the inputs go through the same quantiser in both.
+
+`fake_quantize` here is a faster route to exactly `k3.quant.mx.fake_quantize_mx` (tested bitwise on values
+spanning every binade, subnormals, ties, saturation, ±0, NaN and inf): instead of the codec's float64
+encode to codes and decode back, it rounds each value to its element grid in place, in float32 (float64 for
+float64). Every step is exact there: the block scale and the element ulp are powers of two, a value divided
+by them stays inside float32's range, torch.round rounds ties to even, and the element times its scale
+(down to 2^-136 for E4M3 at the smallest scale) is a float32 value, normal or subnormal.
+"""
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from k3.quant.mx import BLOCK_SIZE, E8M0_BIAS, FP4_E2M1, FP8_E4M3, ElementFormat, _check_blocks, _check_float
+from k3.quant.packed_experts import MXFP4Linear
+
+WEIGHT_FORMAT = FP4_E2M1
+INPUT_FORMAT = FP8_E4M3
+
+
+def _pow2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Exact 2^e for integer e in [-127, 127] (float32: 2^-127 is a subnormal), built from the bits."""
+    if dtype == torch.float64:
+        return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+    e = e.to(torch.int32)
+    normal = (e + 127).clamp(min=1) << 23
+    return torch.where(e >= -126, normal, 1 << (e + 149).clamp(min=0)).view(torch.float32)
+
+
+def fake_quantize(x: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """x (..., N), N a multiple of 32 -> the same shape and dtype: each value replaced by its MX
+    quantise-dequantise in `fmt` (bitwise k3.quant.mx.fake_quantize_mx; module docstring)."""
+    _check_float(x, "fake_quantize input")
+    _check_blocks(x.shape[-1] if x.dim() else 0, f"fake_quantize input of shape {list(x.shape)}")
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    blocks = x.to(compute).unflatten(-1, (-1, BLOCK_SIZE))  # (..., N/32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)  # NaN propagates: one isfinite catches NaN and inf
+    finite = torch.isfinite(amax)
+    shared = (torch.frexp(amax).exponent - 1 - fmt.emax).clamp(-E8M0_BIAS, E8M0_BIAS)
+    shared = torch.where((amax > 0) & finite, shared, -E8M0_BIAS)  # all-zero block: the smallest scale
+    a = (blocks * _pow2(-shared, compute)).abs().clamp(max=fmt.max)  # saturate first: max is on the grid
+    m = fmt.mantissa_bits
+    exp = (torch.frexp(a).exponent - 1).clamp(min=fmt.emin)  # the value's binade (subnormals share emin's)
+    q = torch.round(a * _pow2(m - exp, compute)) * _pow2(exp - m, compute)  # nearest grid point, ties to even
+    q = torch.copysign(q, blocks) * _pow2(shared, compute)  # a negative value rounded to zero stays −0
+    q = torch.where(finite, q, torch.nan)  # a NaN or ±inf makes its whole block NaN (the codec's NaN scale)
+    return q.flatten(-2).to(x.dtype)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """y = fake_quantize(x), dy/dx = 1."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+        return fake_quantize(x, fmt)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def fake_quantize_ste(x: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """fake_quantize with a straight-through gradient (the identity) for quantisation-aware training."""
+    return _StraightThrough.apply(x, fmt)
+
+
+def quantized_input(x: torch.Tensor) -> torch.Tensor:
+    """x (..., N) -> its MXFP8 E4M3 fake quantisation, straight-through: what an expert's matmul reads."""
+    return fake_quantize_ste(x, INPUT_FORMAT)
+
+
+def quantized_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """(out, in) the MXFP4 weight an expert projection computes with: a packed layer's dequantised bytes
+    (k3.quant.MXFP4Linear) or a dense layer's weight fake-quantised, straight-through to the master weight.
+    The two are equal value for value when the bytes are pack_mxfp4 of the weight."""
+    if isinstance(layer, MXFP4Linear):
+        return layer.weight
+    return fake_quantize_ste(layer.weight, WEIGHT_FORMAT)
+
+
+def set_expert_quantization(model: nn.Module, expert_quantization: str | None):
+    """Make `model` (a K3Model) compute its routed experts with `expert_quantization` (None or "mxfp4"):
+    its config is replaced by one that records it (what checkpoints and exports write) and every LatentMoE
+    follows it. Returns the new config. This is how QAT starts, from step 0 or from a full-precision
+    checkpoint, and how a full-precision model is served quantised after training (PTQ)."""
+    from k3.model.moe import LatentMoE
+
+    config = replace(model.config, expert_quantization=expert_quantization)  # validates the value
+    model.config = config
+    for module in model.modules():
+        if isinstance(module, LatentMoE):
+            module.quantization = expert_quantization
+    return config
