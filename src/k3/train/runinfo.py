@@ -24,7 +24,8 @@ FORMAT = "k3-run-1"
 # --eval-every, --ckpt-every, --keep-last, --tensorboard and --override only change what is shown or kept.
 RESULT_FLAGS = ("preset", "vocab_size", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup",
                 "schedule", "weight_decay", "expert_optimizer", "expert_ns_steps", "clip", "seed", "balancer",
-                "qb_bins", "qb_exact_cutoff", "val_fraction", "eval_batches", "init_from", "text_only")  # fmt: skip
+                "qb_bins", "qb_exact_cutoff", "val_fraction", "eval_batches", "init_from", "text_only",
+                "qat")  # fmt: skip
 # Flags that choose the model itself: once a checkpoint exists they cannot change, --override or not
 # (--preset can: the resumed model keeps its recorded configuration, and another preset is compared with
 # it field by field).

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from k3.config import PRESETS, K3Config
 from k3.model import K3Model
+from k3.quant.qat import set_expert_quantization
 from k3.train.balance import FixedStepBalancer, QuantileBalancer
 from k3.train.checkpoint import CheckpointError, config_diff, load_checkpoint, save_checkpoint, step_dirs
 from k3.train.corpus import fingerprint, load_corpus
@@ -99,6 +100,9 @@ class TrainArgs:
     activation_checkpointing: bool = _arg(
         False, "recompute each sublayer's activations in the backward: less memory, one more forward; same results"
     )
+    qat: str | None = _arg(None, "quantisation-aware training: mxfp4 (routed experts' weights MXFP4, their inputs "
+                           "MXFP8, straight-through gradients; the model's config records it, and the packed "
+                           "export computes exactly the trained function)")  # fmt: skip
     progress: bool = _arg(True, "show a progress bar")
 
     def __post_init__(self) -> None:
@@ -128,6 +132,8 @@ class TrainArgs:
             raise ValueError(f"--min-lr-ratio must be between 0 and 1, got {self.min_lr_ratio}")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"--val-fraction must be between 0 and 1 (exclusive), got {self.val_fraction}")
+        if self.qat not in (None, "mxfp4"):
+            raise ValueError(f"--qat must be mxfp4 (or absent: full precision), got {self.qat!r}")
         if self.text_only and self.init_from is None:
             raise ValueError("--text-only applies to --init-from; there is no --init-from")
 
@@ -217,6 +223,7 @@ class Trainer:
             self.config = K3Config.from_preset(args.preset, vocab_size=self.tokenizer.vocab_size)
         torch.manual_seed(args.seed)
         self.model = (K3Model(self.config) if pretrained is None else pretrained.model.train()).to(self.device)
+        self.config = set_expert_quantization(self.model, args.qat)  # --qat decides, whatever the source said
         self.model.set_activation_checkpointing(args.activation_checkpointing)
         self.optimizer = self._optimizer(args.expert_optimizer, args.expert_ns_steps)
         self.balancer = None
@@ -322,7 +329,8 @@ class Trainer:
         recorded = ckpt.config
         if self.args.init_from is not None:
             return recorded
-        now = K3Config.from_preset(self.args.preset, vocab_size=self.tokenizer.vocab_size)
+        now = K3Config.from_preset(self.args.preset, vocab_size=self.tokenizer.vocab_size,
+                                   expert_quantization=self.args.qat)  # fmt: skip
         started = ckpt.state.get("args", {}).get("preset") or ckpt.state.get("init", {}).get("preset")
         diff = config_diff(recorded, now)
         if started != self.args.preset:
