@@ -2,8 +2,8 @@
 gradient of the input and of every parameter (each rank's experts, and the replicated parts summed)."""
 
 import torch
-from dist_helpers import spawn
 
+from dist_helpers import spawn
 from k3 import K3Config
 from k3.model.moe import LatentMoE
 from k3.train.expert_parallel import shard_experts

@@ -95,7 +95,7 @@ def init_parallel(dp: str = "ddp", ep: int = 1) -> Parallel:
             raise ValueError(f"--ep {ep} needs {ep} processes or a multiple: run with --nproc (or under torchrun)")
         return Parallel(dp=dp)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    parallel = Parallel(rank, world, ep, dp)  # checks the values before any rendezvous
+    Parallel(rank, world, ep, dp)  # checks the values before any rendezvous
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
