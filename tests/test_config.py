@@ -127,11 +127,19 @@ RELEASED_TEXT_PART = {
     "model_type": "kimi_k3",
     "text_config": RELEASED_TEXT_CONFIG,
 }
-# Stand-ins for the vision part: k3 carries these through without reading them.
+# The released vision part (MoonViT-V2), as published: k3 reads it into VisionConfig and writes it back.
 RELEASED_VISION_PART = {
-    "vision_config": {"model_type": "moonvit", "hidden_size": 1152, "num_hidden_layers": 27},
+    "vision_config": {
+        "_attn_implementation": "flash_attention_2", "activation_func": "gelu_pytorch_tanh", "attn_bias": False,
+        "init_pos_emb_height": 64, "init_pos_emb_time": 4, "init_pos_emb_width": 64, "linear_bias": False,
+        "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mlp_type": "mlp2", "mm_hidden_size": 1024,
+        "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm", "patch_embed_proj_bias": False,
+        "patch_size": 14, "pos_emb_interpolation_mode": "bilinear", "pos_emb_type": "divided_fixed",
+        "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05, "qkv_hidden_size": 1536, "text_hidden_size": 7168,
+        "vt_hidden_size": 1024, "vt_intermediate_size": 4096, "vt_num_attention_heads": 12, "vt_num_hidden_layers": 27,
+    },
     "media_placeholder_token_id": 163605,
-}
+}  # fmt: skip
 
 
 def released(quantization_at: str = "text_config") -> dict:
@@ -145,7 +153,7 @@ def released(quantization_at: str = "text_config") -> dict:
 def test_k3_preset_is_the_released_config():
     c = K3Config.from_preset("k3")
     assert c.rms_norm_eps == 1e-5
-    assert c.to_hf() == RELEASED_TEXT_PART  # every field, nested dicts included
+    assert c.to_hf() == {**RELEASED_TEXT_PART, **RELEASED_VISION_PART}  # every field, nested dicts included
     assert K3Config.from_hf(released()) == c
 
 

@@ -6,8 +6,9 @@ layers are KDA or MLA, which FFNs are dense, where AttnRes blocks end — is der
 The config.json layout. `to_hf()` writes the released nesting: the multimodal wrapper's keys at the top
 (`architectures: ["KimiK3ForConditionalGeneration"]`, `model_type: "kimi_k3"`) and the text model under
 `text_config` (`KimiLinearForCausalLM`, with `linear_attn_config` and `quantization_config` inside it).
-k3 builds only the text model, so a config made in k3 has no `vision_config`: `from_preset("k3").to_hf()`
-is the released config.json less its vision part. A config read by `from_hf` writes back the file it
+The vision part (`vision_config`, MoonViT-V2, and the top-level `media_placeholder_token_id`) is a
+`VisionConfig` in `K3Config.vision_config` (None: a text-only model); `from_preset("k3").to_hf()` is the
+released config.json's text and vision parts. A config read by `from_hf` writes back the file it
 came from: the same nesting (or the flat text-only layout), `quantization_config` where it was found,
 every key k3 does not interpret, and the same key order, so `to_hf(from_hf(x)) == x`; a field the file
 did not have is written only once its value differs from the default. k3's own switches (`residual`,
@@ -103,6 +104,116 @@ _FIELD_ALIASES = {
 }  # fmt: skip
 
 
+# The released vision_config (MoonViT-V2): the keys VisionConfig has no field for, with their released values.
+# Those in _VISION_ONE_WAY select a computation k3 implements one way only and are checked; the others
+# (the video pooling `merge_type`, `init_pos_emb_time`, the attention kernel) change nothing an image computes.
+RELEASED_VISION: dict[str, Any] = {
+    "_attn_implementation": "flash_attention_2", "activation_func": "gelu_pytorch_tanh", "attn_bias": False,
+    "init_pos_emb_time": 4, "linear_bias": False, "merge_type": "sd2_tpool", "mlp_type": "mlp2",
+    "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm", "patch_embed_proj_bias": False,
+    "pos_emb_interpolation_mode": "bilinear", "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu",
+}  # fmt: skip
+_VISION_ONE_WAY = {
+    key: RELEASED_VISION[key]
+    for key in ("activation_func", "attn_bias", "linear_bias", "mlp_type", "mm_projector_type", "norm_type",
+                "patch_embed_proj_bias", "pos_emb_interpolation_mode", "projector_hidden_act")
+}  # fmt: skip
+_VISION_TOP = ("media_placeholder_token_id",)  # vision fields the release keeps at the top level
+
+
+@dataclass
+class VisionConfig:
+    """MoonViT-V2, the native-resolution vision encoder, and its 2x2 patch-merging projector (SPEC §2.10).
+
+    Field names are the released `vision_config` keys; the defaults are the release's (401M in the tower).
+    `extra_hf` carries the keys k3 does not interpret and the file's key order, as K3Config.extra_hf does."""
+
+    patch_size: int = 14
+    vt_hidden_size: int = 1024
+    vt_num_hidden_layers: int = 27
+    vt_num_attention_heads: int = 12
+    qkv_hidden_size: int = 1536  # attention width: heads x head dim (128), wider than the tower
+    vt_intermediate_size: int = 4096
+    init_pos_emb_height: int = 64  # the learned position table, interpolated to each image's patch grid
+    init_pos_emb_width: int = 64
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    mm_hidden_size: int = 1024  # the projector's input width: the tower's
+    text_hidden_size: int = 7168  # the projector's output width: the language model's
+    projector_ln_eps: float = 1e-5
+    media_placeholder_token_id: int = 163605  # the token each image token replaces in the LM's input
+    extra_hf: dict[str, Any] = field(default_factory=lambda: {"vision": copy.deepcopy(RELEASED_VISION)},
+                                     repr=False, compare=False)  # fmt: skip
+
+    def __post_init__(self) -> None:
+        self.merge_kernel_size = tuple(int(k) for k in self.merge_kernel_size)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            least = 0 if f.name == "media_placeholder_token_id" else 1
+            if f.type is int and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                self._fail(f.name, "must be a positive integer" if least else "must be a token id (>= 0)")
+        if len(self.merge_kernel_size) != 2 or min(self.merge_kernel_size) < 1:
+            self._fail("merge_kernel_size", "must be two positive integers (rows, columns)")
+        if self.qkv_hidden_size % self.vt_num_attention_heads:
+            heads = self.vt_num_attention_heads
+            self._fail("qkv_hidden_size", f"must be a multiple of vt_num_attention_heads ({heads})")
+        if self.head_dim % 4:
+            self._fail("qkv_hidden_size", f"gives a head dim of {self.head_dim}; 2-D rotary positions need a multiple "
+                                          "of 4 (half the pairs for rows, half for columns)")  # fmt: skip
+        if self.mm_hidden_size != self.vt_hidden_size:
+            self._fail("mm_hidden_size", f"must equal vt_hidden_size ({self.vt_hidden_size}): the projector reads it")
+        if not self.projector_ln_eps > 0:
+            self._fail("projector_ln_eps", "must be positive")
+        for key, value in self.extra_hf.get("vision", {}).items():
+            if key in _VISION_ONE_WAY and value != _VISION_ONE_WAY[key]:
+                raise ConfigError(f"config.json vision_config.{key} = {value!r}: k3's MoonViT-V2 implements "
+                                  f"{_VISION_ONE_WAY[key]!r} only")  # fmt: skip
+
+    def _fail(self, name: str, why: str) -> None:
+        raise ConfigError(f"VisionConfig.{name} = {getattr(self, name)!r}: {why}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv_hidden_size // self.vt_num_attention_heads
+
+    @property
+    def merged_patches(self) -> int:
+        """Patches merged into one LM token (4 for 2x2)."""
+        return self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+    @classmethod
+    def from_hf(cls, vision: dict[str, Any], top: dict[str, Any]) -> "VisionConfig":
+        """From the released `vision_config` dict and the top-level keys (media_placeholder_token_id is popped
+        from `top`); a missing key takes the release's value."""
+        if not isinstance(vision, dict):
+            raise TypeError("vision_config must be a JSON object")
+        vision = copy.deepcopy(vision)
+        order = list(vision)
+        names = {f.name for f in fields(cls)} - {"extra_hf", *_VISION_TOP}
+        kwargs = {k: vision.pop(k) for k in list(vision) if k in names}
+        top_keys = [k for k in _VISION_TOP if k in top]
+        kwargs.update({k: top.pop(k) for k in top_keys})
+        return cls(**kwargs, extra_hf={"vision": vision, "order": order, "top": top_keys})
+
+    def to_hf(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(vision_config, top-level keys): a field is written when the file had it, or changed, or always for
+        a config made in k3; keys in the file's order (alphabetical, the release's, for one made in k3)."""
+        order = self.extra_hf.get("order")
+        vision = dict(self.extra_hf.get("vision", {}))
+        for f in fields(self):
+            if f.name in ("extra_hf", *_VISION_TOP):
+                continue
+            value = getattr(self, f.name)
+            if order is None or f.name in order or value != f.default:
+                vision[f.name] = list(value) if isinstance(value, tuple) else value
+        vision = _ordered(vision, order) if order is not None else dict(sorted(vision.items()))
+        top = {
+            k: getattr(self, k)
+            for k in _VISION_TOP
+            if order is None or k in self.extra_hf.get("top", ()) or getattr(self, k) != _VISION_DEFAULTS[k]
+        }
+        return copy.deepcopy(vision), top
+
+
 def _released_extras() -> dict[str, Any]:
     """extra_hf of a config made in k3: the released layout around the fields."""
     return {"nested": True, "top": copy.deepcopy(RELEASED_TOP), "text": copy.deepcopy(RELEASED_TEXT),
@@ -167,6 +278,8 @@ class K3Config:
     # "mxfp4": routed experts compute with MXFP4 weights and MXFP8 (E4M3) inputs, fake-quantised in training
     # (quantisation-aware training) and packed in serving (SPEC §2.8, k3.quant.qat); None: full precision
     expert_quantization: str | None = None
+    # the vision encoder and projector (None: a text-only model); written as the top-level vision_config
+    vision_config: VisionConfig | None = None
     # carried through unchanged: how the weights are stored (compressed-tensors; None: unquantised), and
     # the official file's layout and the keys k3 does not interpret (see to_hf)
     quantization_config: dict[str, Any] | None = None
@@ -227,6 +340,13 @@ class K3Config:
             if sorted(set(layers)) != list(layers) or not all(1 <= i <= L for i in layers):
                 self._fail("full_attn_layers", f"must be strictly increasing 1-based layer numbers in [1, {L}]")
         self._validate_released_keys((self.extra_hf or {}).get("text", {}))
+        v = self.vision_config
+        if v is not None and v.text_hidden_size != self.hidden_size:
+            raise ConfigError(f"VisionConfig.text_hidden_size = {v.text_hidden_size}: the projector writes into the "
+                              f"language model, whose hidden_size is {self.hidden_size}; make them equal")  # fmt: skip
+        if v is not None and v.media_placeholder_token_id >= self.vocab_size:
+            raise ConfigError(f"VisionConfig.media_placeholder_token_id = {v.media_placeholder_token_id} is outside "
+                              f"the vocabulary of {self.vocab_size} tokens")  # fmt: skip
 
     def _validate_released_keys(self, text: dict[str, Any]) -> None:
         """text_config keys K3Config has no field for, whose value would make the released model compute
@@ -343,6 +463,8 @@ class K3Config:
                 kwargs[key] = text.pop(key)
         k3_own = (top if nested else text).pop("k3", {})
         kwargs.update({k: v for k, v in k3_own.items() if k in _K3_ONLY})
+        if nested and "vision_config" in top:
+            kwargs["vision_config"] = VisionConfig.from_hf(top.pop("vision_config"), top)
         quantization_in = "text"
         if nested and "quantization_config" in top:
             if "quantization_config" in kwargs:
@@ -403,8 +525,19 @@ class K3Config:
             top["k3"] = k3_own
         text = _ordered(text, order["text"] if order else [])
         if not nested:
+            if self.vision_config is not None:
+                raise ConfigError(
+                    "a vision model's config.json nests the text model under text_config; this one "
+                    "was read from the flat text-only layout, which has no place for vision_config"
+                )
             return copy.deepcopy(text)
+        vision = None
+        if self.vision_config is not None:
+            vision, vision_top = self.vision_config.to_hf()
+            top.update(vision_top)
         top["text_config"] = text
+        if vision is not None:
+            top["vision_config"] = vision
         return copy.deepcopy(_ordered(top, order["top"] if order else []))
 
     def save(self, path: str | Path) -> None:
@@ -416,15 +549,16 @@ class K3Config:
 
 # Fields read from and written to text_config; the linear_attn_config ones, the derived layer lists and
 # k3's own switches have their own places.
-_TEXT_FIELDS = {f.name for f in fields(K3Config)} - {"extra_hf", "full_attn_layers", *_LINEAR_ATTN_KEYS.values(),
-                                                      *_K3_ONLY}  # fmt: skip
+_TEXT_FIELDS = {f.name for f in fields(K3Config)} - {"extra_hf", "full_attn_layers", "vision_config",
+                                                      *_LINEAR_ATTN_KEYS.values(), *_K3_ONLY}  # fmt: skip
 _DEFAULTS = {f.name: f.default for f in fields(K3Config) if f.default is not MISSING}
 _FIELD_ORDER = [f.name for f in fields(K3Config)]
+_VISION_DEFAULTS = {f.name: f.default for f in fields(VisionConfig) if f.default is not MISSING}
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The released 2.8T configuration (SPEC §1): the dataclass defaults, and the released weights' storage
     # format (the smaller presets describe unquantised weights, as k3 trains them).
-    "k3": {"quantization_config": RELEASED_QUANTIZATION_CONFIG},
+    "k3": {"quantization_config": RELEASED_QUANTIZATION_CONFIG, "vision_config": VisionConfig()},
     # Tens of millions of parameters with K3's structure, for training on a laptop CPU.
     "small": dict(
         vocab_size=8192, hidden_size=256, num_hidden_layers=9, num_attention_heads=4, q_lora_rank=128,
@@ -440,5 +574,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         kda_head_dim=16, intermediate_size=128, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
         routed_expert_hidden_size=32, moe_intermediate_size=32, attn_res_block_size=2,
         max_position_embeddings=4096,
+    ),
+    # A few million parameters with a MoonViT-V2 tower, trained from scratch on generated images in minutes on
+    # a CPU (`k3 train --preset small-vl`, docs/vision.md). The trainer sets the vocabulary and the placeholder
+    # token's id from the tokenizer it builds.
+    "small-vl": dict(
+        vocab_size=512, hidden_size=192, num_hidden_layers=5, num_attention_heads=4, q_lora_rank=96,
+        kv_lora_rank=48, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kda_num_heads=4,
+        kda_head_dim=48, intermediate_size=512, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
+        routed_expert_hidden_size=96, moe_intermediate_size=192, attn_res_block_size=2,
+        max_position_embeddings=4096,
+        vision_config=VisionConfig(
+            vt_hidden_size=128, vt_num_hidden_layers=4, vt_num_attention_heads=4, qkv_hidden_size=128,
+            vt_intermediate_size=384, init_pos_emb_height=16, init_pos_emb_width=16, mm_hidden_size=128,
+            text_hidden_size=192, media_placeholder_token_id=0,
+        ),
     ),
 }  # fmt: skip
