@@ -71,8 +71,22 @@ def _read_folder(root: Path, paths: list[Path], what: str, log: Callable[[str], 
     return docs
 
 
+def domain_spec(data: str | Path | None) -> str | None:
+    """`data` when it names a domain (k3.data.domains: code, tests, docs, reasoning-low, reasoning-high, or
+    several joined with '+'), otherwise None. A bare domain name is the domain even where a folder of that
+    name exists (the repository's tests/): `./tests` names the folder."""
+    from k3.data.domains import is_domain_spec
+
+    return str(data) if isinstance(data, str) and is_domain_spec(data) else None
+
+
 def _documents(data: str | Path | None, what: str, log: Callable[[str], None] | None) -> tuple[list[Document], bool]:
     """(documents, whether `data` is a single file)."""
+    if data is not None and domain_spec(data) is not None:  # a domain of the standard library, or tasks
+        from k3.data.domains import domain_documents
+
+        base = [] if all(d.startswith("reasoning-") for d in str(data).split("+")) else _documents(None, what, log)[0]
+        return [Document(n, t) for n, t in domain_documents(str(data), [(d.name, d.text) for d in base])], False
     if data is None:
         root = stdlib_root()
         paths = [p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts]
@@ -101,7 +115,8 @@ def load_corpus(
 ) -> tuple[list[Document], list[Document]]:
     """(train, validation) documents, in a deterministic order.
 
-    data None: every .py file of the standard library, site-packages excluded. A directory: every
+    data None: every .py file of the standard library, site-packages excluded. A domain name
+    (`domain_spec`): that domain's documents, named after the files or tasks they came from. A directory: every
     UTF-8 text file below it (the others, and empty files, are skipped and reported through `log`).
     A single file: its text split at a line boundary.
 

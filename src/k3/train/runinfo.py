@@ -54,8 +54,12 @@ class RunRecord:
 
 
 def data_entry(path: str | None, sha256: str | None) -> dict[str, Any]:
-    """The data as recorded: an absolute path (None: the standard library) and its content's sha256."""
-    return {"path": None if path is None else str(Path(path).resolve()), "sha256": sha256}
+    """The data as recorded: an absolute path (None: the standard library; a domain: its name) and its
+    content's sha256."""
+    from k3.train.corpus import domain_spec  # a domain is recorded by its name, not as a path
+
+    where = None if path is None else domain_spec(path) or str(Path(path).resolve())
+    return {"path": where, "sha256": sha256}
 
 
 def read_record(run: Path) -> RunRecord | None:

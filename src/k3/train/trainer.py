@@ -30,7 +30,7 @@ from k3.model import K3Model
 from k3.quant.qat import set_expert_quantization
 from k3.train.balance import FixedStepBalancer, QuantileBalancer
 from k3.train.checkpoint import CheckpointError, config_diff, load_checkpoint, save_checkpoint, step_dirs
-from k3.train.corpus import fingerprint, load_corpus
+from k3.train.corpus import domain_spec, fingerprint, load_corpus
 from k3.train.data import PackedSequences, cached_pack
 from k3.train.files import (
     append_line,
@@ -88,7 +88,8 @@ class TrainArgs:
     balancer: str = _arg("quantile", "router-bias balancing: quantile, fixed or none")
     qb_bins: int = _arg(1000, "histogram bins per MoE layer of Quantile Balancing")
     qb_exact_cutoff: bool = _arg(False, "Quantile Balancing with the k-th score as the cutoff for unpicked experts")
-    data: str | None = _arg(None, "a folder of text files or one text file (default: the Python standard library)")
+    data: str | None = _arg(None, "a folder of text files, one text file, or a domain (code, tests, docs, "
+                            "reasoning-low, reasoning-high; join with +) (default: the Python standard library)")  # fmt: skip
     val_data: str | None = _arg(None, "validation text, a folder or a file (default: a --val-fraction of --data)")
     val_fraction: float = _arg(0.02, "the fraction of --data's files held out for validation (by a hash of names)")
     vocab_size: int = _arg(8192, "tokens of the byte-level BPE learned from the data")
@@ -166,7 +167,7 @@ def _check_paths(args: TrainArgs) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; a run folder is a directory (choose another --out)")
     for flag, value in (("--data", args.data), ("--val-data", args.val_data)):
-        if value is not None and not Path(value).exists():
+        if value is not None and not Path(value).exists() and domain_spec(value) is None:
             raise FileNotFoundError(f"{flag} {value}: no such file or directory")
     if args.init_from is not None and not Path(args.init_from).exists():
         raise FileNotFoundError(f"--init-from {args.init_from}: no such checkpoint, run or model folder")
