@@ -90,11 +90,14 @@ def _fill(units: list[list[str]], more, budget: int, encode) -> list[list[int]]:
 
 
 def make_example(task: str, length: int, tokenizer, seed: int = 0, split: str = "eval", hops: int = 2,
-                 max_count: int = 9) -> SyntheticExample:  # fmt: skip
+                 max_count: int | None = None) -> SyntheticExample:  # fmt: skip
     """One example of `task` exactly `length` tokens long (tokenizer: anything with `encode(str) -> ids`).
 
     hops: key -> key links before the value in multihop (2: key -> key -> value); max_count: the most
-    marked lines in count (the answer is uniform in 1 .. max_count)."""
+    marked lines in count (the answer is uniform in 1 .. max_count; default min(9, length // 64), so
+    that short sequences have room for the context around the marked lines)."""
+    if max_count is None:
+        max_count = min(9, max(1, length // 64))
     if task not in TASKS:
         raise SyntheticError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     if split not in SPLITS:
@@ -169,6 +172,15 @@ class SyntheticMix:
         if unknown or not tasks:
             raise SyntheticError(f"unknown synthetic tasks {unknown or tasks}; choose from {', '.join(TASKS)}")
         self.tokenizer, self.ratio, self.seed, self.tasks = tokenizer, ratio, seed, tuple(tasks)
+
+    def check_length(self, seq_len: int) -> None:
+        """A readable SyntheticError when one of the tasks cannot be made `seq_len` tokens long."""
+        for task in self.tasks:
+            try:
+                make_example(task, seq_len, self.tokenizer)
+            except SyntheticError as e:
+                raise SyntheticError(f"--synthetic-ratio: the {task} task does not fit in sequences of {seq_len} "
+                                     f"tokens ({e}); train on longer sequences or without it") from None  # fmt: skip
 
     def example_at(self, position: int, seq_len: int) -> SyntheticExample | None:
         """The example that replaces data position `position`, or None to keep the corpus sequence."""

@@ -25,7 +25,7 @@ FORMAT = "k3-run-1"
 RESULT_FLAGS = ("preset", "vocab_size", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup",
                 "schedule", "weight_decay", "expert_optimizer", "expert_ns_steps", "clip", "seed", "balancer",
                 "qb_bins", "qb_exact_cutoff", "val_fraction", "eval_batches", "init_from", "text_only",
-                "qat")  # fmt: skip
+                "qat", "stages", "synthetic_ratio")  # fmt: skip
 # Flags that choose the model itself: once a checkpoint exists they cannot change, --override or not
 # (--preset can: the resumed model keeps its recorded configuration, and another preset is compared with
 # it field by field).

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from k3.config import PRESETS, K3Config
+from k3.data.synthetic import SyntheticMix
 from k3.model import K3Model
 from k3.quant.qat import set_expert_quantization
 from k3.train.balance import FixedStepBalancer, QuantileBalancer
@@ -52,6 +53,7 @@ from k3.train.runinfo import (
     read_record,
     write_record,
 )
+from k3.train.stages import TrainBatches, parse_stages
 from k3.train.tokenizer import K3Tokenizer, train_tokenizer
 
 TOKENIZER_SAMPLE_BYTES = 8_000_000  # BPE merges are learned from about this much of the training text
@@ -98,6 +100,16 @@ class TrainArgs:
     init_from: str | None = _arg(None, "start from the weights, config and tokenizer of a run, step or model folder")
     text_only: bool = _arg(False, "with --init-from: a multimodal model folder's language model only")
     tensorboard: bool = _arg(False, "also log to <out>/tensorboard/ (needs the tensorboard package)")
+    stages: str | None = _arg(
+        None,
+        "staged context extension LENGTH:STEPS,... (e.g. 256:100,1024:50): each stage's "
+        "sequence length, the same tokens per micro-batch; the last stage runs on to --steps",
+    )
+    synthetic_ratio: float = _arg(
+        0.0,
+        "fraction of training sequences replaced by synthetic long-range tasks "
+        "(k3.data.synthetic: retrieval, multihop, count) of the sequence's length",
+    )
     activation_checkpointing: bool = _arg(
         False, "recompute each sublayer's activations in the backward: less memory, one more forward; same results"
     )
@@ -135,6 +147,10 @@ class TrainArgs:
             raise ValueError(f"--val-fraction must be between 0 and 1 (exclusive), got {self.val_fraction}")
         if self.qat not in (None, "mxfp4"):
             raise ValueError(f"--qat must be mxfp4 (or absent: full precision), got {self.qat!r}")
+        if self.stages is not None:
+            parse_stages(self.stages)
+        if not 0 <= self.synthetic_ratio <= 1:
+            raise ValueError(f"--synthetic-ratio must be between 0 and 1, got {self.synthetic_ratio}")
         if self.text_only and self.init_from is None:
             raise ValueError("--text-only applies to --init-from; there is no --init-from")
 
@@ -218,6 +234,9 @@ class Trainer:
         record.tokenizer_sha256 = file_sha256(self.run / "tokenizer.json")
         write_record(self.run, record)
         self.train_data = self._sequences("train", train_docs, args.seed)
+        mix = SyntheticMix(self.tokenizer, args.synthetic_ratio, args.seed) if args.synthetic_ratio > 0 else None
+        stages = parse_stages(args.stages) if args.stages else None
+        self.batches = TrainBatches(self.train_data, args.batch_size, stages, mix)
         val = self._sequences("val", val_docs, 0)
         self.val_batches = val.fixed_batches(args.eval_batches, args.batch_size)
         if ckpt is None and pretrained is None:
@@ -497,8 +516,8 @@ class Trainer:
         set_lr_factor(self.optimizer, factor)
         loss_sum = 0.0
         for _ in range(a.grad_accum):
-            batch = self.train_data.batch(self.position, a.batch_size).to(self.device)
-            self.position += a.batch_size
+            batch = self.batches.batch(self.step, self.position).to(self.device)
+            self.position += batch.shape[0]
             with self.autocast():
                 out = self.model(batch, labels=batch)
             (out.loss / a.grad_accum).backward()
@@ -517,6 +536,8 @@ class Trainer:
                   "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / dt, "step_s": dt}  # fmt: skip
         if maxvio is not None:
             record["maxvio"] = maxvio
+        if a.stages:
+            record["seq_len"] = batch.shape[1]
         if self.step % a.eval_every == 0 or self.step == a.steps:
             record["val_loss"] = self.evaluate()
         if not math.isfinite(record["loss"]):
