@@ -36,7 +36,8 @@ GROUP_ELEMENTS = 1 << 18
 def _chunked(x: torch.Tensor, C: int) -> torch.Tensor:
     """(B, n·C, H, D) -> (B·H, n, C, D), contiguous for batched matmuls."""
     B, T, H = x.shape[:3]
-    return x.reshape(B, T // C, C, H, -1).permute(0, 3, 1, 2, 4).reshape(B * H, T // C, C, -1)
+    # contiguous: for B = 1 the reshape is a strided view, and every matmul reading it made its own copy
+    return x.reshape(B, T // C, C, H, -1).permute(0, 3, 1, 2, 4).reshape(B * H, T // C, C, -1).contiguous()
 
 
 def _unchunked(x: torch.Tensor, B: int) -> torch.Tensor:
@@ -69,7 +70,7 @@ def _intra_chunk(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[tor
     pivot = Gb[:, :, :, mid : mid + 1]  # (BH, n, nb, 1, K)
     row = torch.exp(Gb - pivot)
     q_row, k_row = qb * row, kb * row
-    col = (kb * torch.exp(pivot - Gb)).transpose(-1, -2)
+    col = (kb * torch.exp(pivot - Gb)).transpose(-1, -2).contiguous()  # read by two matmuls: laid out once
     Aqk = q.new_zeros(BH, n, nb, sub, nb, sub)
     Akk = q.new_zeros(BH, n, nb, sub, nb, sub)
     Aqk.diagonal(dim1=2, dim2=4).copy_((q_row @ col).movedim(2, -1))
