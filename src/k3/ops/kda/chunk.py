@@ -195,7 +195,8 @@ def chunk_kda_fwd(
     initial_state: torch.Tensor | None,
     chunk_size: int,
     seq_chunks: list[tuple[int, int]] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    keep_starts: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The chunked algorithm on prepared inputs (heads already expanded, flags applied), no autograd.
 
     q, k, g: (B, T, H, K); v: (B, T, H, V); beta: (B, T, H); all in the compute dtype (fp32 or
@@ -205,7 +206,8 @@ def chunk_kda_fwd(
     [first, last) chunk; the state restarts from that sequence's initial state at its first chunk.
     None means one sequence per batch row.
     Returns o (B, T, H, V), the final states (N, H, K, V) and the state at the start of every chunk
-    (B·H, NC, K, V): what the backward and a prefix cache's checkpoints read.
+    (B·H, NC, K, V): what the backward and a prefix cache's checkpoints read (None unless keep_starts;
+    collecting them is a copy of one K×V state per chunk that plain inference never reads).
 
     Only the state recursion is sequential (u = U − W S, S ← Γ_C S + kdᵀ u: two matmuls a chunk); the
     outputs o = (qΓ) S + Aqk u are then computed for a whole group of chunks at once.
@@ -233,10 +235,13 @@ def chunk_kda_fwd(
         S_n = torch.stack(group_starts, dim=1)  # (BH, n, K, V)
         o = torch.matmul(t.q_decay, S_n).add_(t.Aqk @ torch.stack(us, dim=1))  # (BH, n, C, V)
         outs.append(_unchunked(o, B)[:, : min(T, c1 * C) - c0 * C])
-        starts.append(S_n)
+        if keep_starts:
+            starts.append(S_n)
 
     o = torch.cat(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
     final = torch.cat([(zeros if s is None else s.to(q.dtype)).reshape(-1, H, K, V) for s in finals])
+    if not keep_starts:
+        return o, final, None
     starts = torch.cat(starts, dim=1) if starts else q.new_zeros(B * H, 0, K, V)
     return o, final, starts
 
@@ -269,7 +274,7 @@ def _chunk_fwd(q, k, v, g, beta, scale, h0, chunk_size, seq_chunks=None, chunk_s
         return chunk_kda_fwd(q, k, v, g, beta, scale, h0, chunk_size, seq_chunks)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
         return (*ChunkKDAFunction.apply(q, k, v, g, beta, h0, scale, chunk_size, seq_chunks), None)
-    return (*chunk_kda_fwd(q, k, v, g, beta, scale, h0, chunk_size, seq_chunks)[:2], None)
+    return chunk_kda_fwd(q, k, v, g, beta, scale, h0, chunk_size, seq_chunks, keep_starts=False)
 
 
 CHUNK_SIZES = (32, 64)  # what fla's kernels accept; the torch path agrees, so a call never depends on the backend
