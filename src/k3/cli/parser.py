@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a K3 model (default: the small preset on the stdlib source)")
     _add_train_flags(train)
     train.add_argument("--nproc", type=int, default=1,
-                       help="train on this many processes of this machine (runs torchrun; default: %(default)s)")  # fmt: skip
+                       help="processes on this machine (runs torchrun; default: %(default)s)")  # fmt: skip
     train.set_defaults(func=cmd_train)
 
     quick = sub.add_parser("quickstart", help="train a small K3 for a few minutes, sample from it, plot the run")
