@@ -138,7 +138,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Perplexity (and nats per token) of a model on a text file or a folder of them."""
     from k3.eval import evaluate
 
+    if args.task is not None:
+        return _eval_lengths(args)
     try:
+        if args.data is None:
+            raise ValueError("--data is needed for perplexity (or pass --task to score by context length)")
         device = _device(args.device)
         result = evaluate(args.model, args.data, seq_len=args.seq_len, batch_size=args.batch_size, device=device,
                           text_only=args.text_only)  # fmt: skip
@@ -155,4 +159,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
           f"tokens of {result.files:,} file{'s' if result.files != 1 else ''}"
           + (f" (skipped: {', '.join(skipped)})" if skipped else "")
           + f"; windows of {result.seq_len} tokens; model {result.model}")  # fmt: skip
+    return 0
+
+
+def _eval_lengths(args: argparse.Namespace) -> int:
+    """`k3 eval --task ... --lengths ...`: one row per length as it finishes, or one JSON object at the end."""
+    from k3.eval_lengths import describe, evaluate_lengths, parse_lengths
+
+    def show(result) -> None:
+        print(describe(result), flush=True)
+
+    try:
+        results = evaluate_lengths(args.model, args.task, parse_lengths(args.lengths), examples=args.examples,
+                                   batch_size=args.batch_size, chunk_tokens=args.chunk_tokens, data=args.data,
+                                   device=_device(args.device), text_only=args.text_only,
+                                   log=None if args.json else show)  # fmt: skip
+    except KeyboardInterrupt:
+        print("k3 eval: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except USER_ERRORS as e:
+        return _fail("eval", e)
+    if args.json:
+        print(json.dumps({"model": str(args.model), "task": args.task, "results": [r.as_dict() for r in results]}))
     return 0

@@ -85,10 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--num-pages", type=int, default=None, help="the page pool's size in pages instead")
     gen.set_defaults(func=cmd_generate)
 
-    evaluation = sub.add_parser("eval", help="perplexity of a model on your text (a file or a folder of files)")
+    evaluation = sub.add_parser("eval", help="perplexity of a model on your text, or accuracy/loss by context length")
     evaluation.add_argument("--model", required=True, help="a model folder, a run folder or a step_* folder")
-    evaluation.add_argument("--data", required=True,
-                            help="a UTF-8 text file, or a folder: every UTF-8 text file below it")  # fmt: skip
+    evaluation.add_argument("--data", default=None,
+                            help="a UTF-8 text file, or a folder: every UTF-8 text file below it (needed for "
+                                 "perplexity; for --task lm the run's validation tokens by default)")  # fmt: skip
+    evaluation.add_argument("--task", default=None, choices=("retrieval", "multihop", "count", "lm"),
+                            help="score by context length instead: a synthetic long-range task (held-out "
+                                 "examples) or lm (nats/token of --data at each length)")  # fmt: skip
+    evaluation.add_argument("--lengths", default="512,2048,8192",
+                            help="with --task: comma-separated context lengths (default 512,2048,8192)")  # fmt: skip
+    evaluation.add_argument("--examples", type=int, default=20,
+                            help="with --task: examples (lm: windows) per length (default 20)")  # fmt: skip
+    evaluation.add_argument("--chunk-tokens", type=int, default=1024,
+                            help="with --task: tokens per forward through the cache (default 1024)")  # fmt: skip
     evaluation.add_argument("--seq-len", type=int, default=None,
                             help="tokens predicted per window (default 512, less for a shorter context)")  # fmt: skip
     evaluation.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")

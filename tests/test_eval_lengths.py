@@ -1,0 +1,116 @@
+"""k3.eval_lengths and `k3 eval --task`: chunked scoring through the cache equals one uncached forward (float64),
+accuracy counts exactly the solved examples, lm loss equals the perplexity path's, readable errors."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from tests.tiny_models import tiny_model
+
+from k3.cli import main
+from k3.data.synthetic import eval_set
+from k3.eval import score_tokens
+from k3.eval_lengths import chunked_logits, lm_loss, parse_lengths, task_accuracy
+from k3.model.model import K3Output
+from k3.train.tokenizer import byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=1, router_bias_std=0.1)
+
+
+def test_chunked_logits_equal_one_uncached_forward(model):
+    ids = torch.randint(0, model.config.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0))
+    full = model(ids).logits
+    positions = [0, 5, 63, 64, 100, 149]
+    for chunk in (7, 64, 150):
+        got = chunked_logits(model, ids, positions, chunk)
+        torch.testing.assert_close(got, full[:, positions], rtol=1e-9, atol=1e-9)
+
+
+class Oracle(torch.nn.Module):
+    """Predicts the true next token of every row except `wrong` rows, which it gets wrong at one position;
+    it reads its place in the sequence from the cache, as the model does."""
+
+    def __init__(self, config, sequences: torch.Tensor, wrong_at: dict[int, int]):
+        super().__init__()
+        self.config, self.sequences, self.wrong_at = config, sequences, wrong_at
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids, cache=None, logits_at=None):
+        start = cache.seq_len
+        cache.seq_len += ids.shape[1]
+        positions = start + logits_at
+        nxt = self.sequences[:, (positions + 1).clamp(max=self.sequences.shape[1] - 1)]
+        for row, pos in self.wrong_at.items():
+            nxt[row, positions == pos] = (nxt[row, positions == pos] + 1) % self.config.vocab_size
+        return K3Output(F.one_hot(nxt, self.config.vocab_size).double())
+
+
+def test_accuracy_counts_exactly_the_solved_examples(model):
+    tok = byte_tokenizer()
+    exs = eval_set("retrieval", 300, 5, tok)
+    seqs = torch.tensor([ex.tokens for ex in exs])
+    # row 1 misses its last answer token, row 3 a token before the answer (which does not count)
+    oracle = Oracle(model.config, seqs, {1: 298, 3: exs[3].answer_start - 10})
+    result = task_accuracy(oracle, tok, "retrieval", 300, 5, batch_size=5, chunk_tokens=64)
+    assert result.accuracy == 4 / 5 and result.examples == 5
+    result = task_accuracy(Oracle(model.config, seqs, {}), tok, "retrieval", 300, 5, batch_size=5, chunk_tokens=300)
+    assert result.accuracy == 1.0
+
+
+def test_task_accuracy_of_a_model_is_its_uncached_greedy_answer(model):
+    tok = byte_tokenizer()
+    exs = eval_set("count", 200, 3, tok)
+    ids = torch.tensor([ex.tokens for ex in exs])
+    guess = model(ids).logits.argmax(-1)
+    expect = sum(
+        bool((guess[i, ex.answer_start - 1 : -1] == ids[i, ex.answer_start :]).all()) for i, ex in enumerate(exs)
+    )
+    assert task_accuracy(model, tok, "count", 200, 3, batch_size=2, chunk_tokens=50).accuracy == expect / 3
+
+
+def test_lm_loss_equals_the_perplexity_path(model):
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, 2000)
+    result = lm_loss(model, tokens, 99, windows=1, chunk_tokens=40)
+    nll, count = score_tokens(model, tokens[:100].tolist(), 99, 1)
+    assert count == 99
+    assert result.nats_per_token == pytest.approx(nll / count, rel=1e-10)
+    ids = torch.tensor(tokens[:100])[None]
+    per_token = F.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:], reduction="none")
+    assert result.late_nats_per_token == pytest.approx(per_token[75:].mean().item(), rel=1e-10)
+    with pytest.raises(ValueError, match="has only 2,000 tokens"):
+        lm_loss(model, tokens, 4000, windows=1)
+
+
+def test_cli_task_by_length_json_and_errors(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["init", "--preset", "tiny", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--model", str(run), "--task", "multihop", "--lengths", "200,400", "--examples", "3",
+                 "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert [r["length"] for r in out["results"]] == [200, 400]
+    assert all(r["examples"] == 3 and 0 <= r["accuracy"] <= 1 for r in out["results"])
+    assert main(["eval", "--model", str(run), "--task", "retrieval", "--lengths", "9000"]) == 2
+    assert "longer than this model's context of 4,096" in capsys.readouterr().err
+    assert main(["eval", "--model", str(run), "--task", "count", "--lengths", "2k"]) == 2
+    assert "comma-separated" in capsys.readouterr().err
+    assert main(["eval", "--model", str(run)]) == 2
+    assert "--data is needed" in capsys.readouterr().err
+    assert main(["eval", "--model", str(run), "--task", "lm", "--lengths", "64"]) == 2
+    assert "--task lm needs --data" in capsys.readouterr().err
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x\n" * 40)
+    assert main(["eval", "--model", str(run), "--task", "lm", "--lengths", "64,128", "--data",
+                 str(tmp_path / "text.txt")]) == 0  # fmt: skip
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert len(rows) == 2 and "nats/token" in rows[0] and "128 tokens" in rows[1]
+
+
+def test_parse_lengths():
+    assert parse_lengths("512,2048") == [512, 2048]
+    with pytest.raises(ValueError, match="at least 2"):
+        parse_lengths("1")
