@@ -60,6 +60,8 @@ def hand_count(c: K3Config) -> dict[str, dict[str, int]]:
         "router": E * d,  # gate.weight; e_score_correction_bias is a buffer
         "attn_res": 2 * 2 * (d + d) + (d + d),  # 2 layers × {attention, ffn} × (proj + norm), + the output readout
         "norms": 2 * 2 * d + d,  # input_layernorm, post_attention_layernorm per layer, + model.norm
+        "vision_tower": 0,  # a text-only config (tests/test_vision.py counts the tower)
+        "mm_projector": 0,
     }
     active = {**total, "routed_experts": c.num_experts_per_token * expert}  # k of E experts run
     return {name: {"total": total[name], "active": active[name]} for name in COMPONENTS}

@@ -26,8 +26,10 @@ from k3.model.model import K3Model
 
 COMPONENTS = (
     "embeddings", "lm_head", "kda_attention", "mla_attention", "dense_ffn", "routed_experts",
-    "shared_experts", "latent_projections", "router", "attn_res", "norms",
+    "shared_experts", "latent_projections", "router", "attn_res", "norms", "vision_tower", "mm_projector",
 )  # fmt: skip
+# The vision encoder and projector run once per image, not per text token: in the total, not in `active`.
+_PER_IMAGE = {"vision_tower", "mm_projector"}
 DEFAULT_CONTEXT = 8192  # the first context stage of pre-training (SPEC §2.9)
 BF16_BYTES, FP32_BYTES = 2, 4
 KDA_STATE_FLOPS_PER_HKV = 7  # recurrent step per head: Diag(α)S 1·KV, kᵀS 2·KV, S += k·(β(v − kᵀS))ᵀ 2·KV, Sᵀq 2·KV
@@ -61,6 +63,8 @@ _RULES = [
     ("attn_res", re.compile(r"model\.output_attn_res_(proj|norm)\.weight")),
     ("norms", re.compile(_LAYER + r"(input_layernorm|post_attention_layernorm)\.weight")),
     ("norms", re.compile(r"model\.norm\.weight")),
+    ("vision_tower", re.compile(r"vision_tower\.(patch_embed|encoder)\..+")),
+    ("mm_projector", re.compile(r"mm_projector\.(proj\.\d+|post_norm)\.weight")),
 ]
 _MOE_ONLY = {"routed_experts", "shared_experts", "latent_projections", "router"}
 
@@ -107,6 +111,9 @@ def count_parameters(config: K3Config) -> dict[str, dict[str, int]]:
         seen.add(id(p))
         if component == "routed_experts":
             routed_by_layer[layer] += n
+            counts[component]["total"] += n
+            continue
+        if component in _PER_IMAGE:
             counts[component]["total"] += n
             continue
         if not shared:
