@@ -2,6 +2,7 @@
 first FFN then LatentMoE, Block Attention Residuals across depth, final norm, untied LM head.
 
 `K3Model.state_dict()` uses the released checkpoint's names: `model.*` and `lm_head.weight`.
+With a vision_config it also holds the release's `vision_tower.*` and `mm_projector.*` (k3.model.vision).
 """
 
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from k3.model.moe import LatentMoE
 from k3.model.norm import RMSNorm
 from k3.model.router import RouterOutput
 from k3.model.situ import GatedMLP
+from k3.model.vision import PatchMergerProjector, VisionTower, place_image_tokens
 from k3.ops.numerics import at_least_fp32
 
 
@@ -96,8 +98,12 @@ class K3TextModel(nn.Module):
             self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.block_starts = {s for s, _ in config.attn_res_blocks}
 
-    def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None) -> tuple[torch.Tensor, list[RouterOutput]]:
+    def forward(
+        self, input_ids: torch.Tensor, cache: K3Cache | None = None, image_embeds: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[RouterOutput]]:
         x = self.embed_tokens(input_ids)
+        if image_embeds is not None:  # vision tokens replace the placeholders' embeddings (k3.model.vision)
+            x = place_image_tokens(x, input_ids, image_embeds, self.config.vision_config.media_placeholder_token_id)
         caches = cache.layers if cache is not None else [None] * len(self.layers)
         if self.config.residual == "standard":
             stream, readout = ResidualStream(x), None
@@ -118,7 +124,17 @@ class K3Model(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if config.vision_config is not None:  # the release's top-level vision_tower.* and mm_projector.*
+            self.vision_tower = VisionTower(config.vision_config)
+            self.mm_projector = PatchMergerProjector(config.vision_config)
         self.reset_parameters()
+
+    def encode_images(self, images: list[torch.Tensor]) -> torch.Tensor:
+        """images [(3, H, W)], packed through the vision tower and projector -> (tokens, hidden_size): each
+        image's (H/28)·(W/28) tokens (patch 14, 2x2 merge) in order, for forward's image_embeds."""
+        if self.config.vision_config is None:
+            raise ValueError("this model has no vision tower (its config has no vision_config): it takes text only")
+        return self.mm_projector(*self.vision_tower(images))
 
     def set_activation_checkpointing(self, enabled: bool = True) -> "K3Model":
         """Recompute each sublayer's activations (attention, FFN/MoE) in the backward instead of keeping
@@ -158,10 +174,13 @@ class K3Model(nn.Module):
         cache: K3Cache | None = None,
         labels: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> K3Output:
         """logits_at: (n,) positions along T; only their logits are computed, (B, n, vocab): a serving
-        step needs one position per sequence, and the LM head is the widest matmul of a small model."""
-        hidden, routing = self.model(input_ids, cache)
+        step needs one position per sequence, and the LM head is the widest matmul of a small model.
+        image_embeds: (n_placeholders, hidden_size) from encode_images, one row per placeholder token in
+        input_ids (row-major over the batch)."""
+        hidden, routing = self.model(input_ids, cache, image_embeds)
         if cache is not None:
             cache.seq_len += input_ids.shape[1]
         if logits_at is not None:
