@@ -3,6 +3,7 @@ self time, for the small preset (random weights, fp32) at batch 1 and batch 64.
 
     python benchmarks/decode_profile.py                 # batch 1 at 1,024 tokens, batch 64 at 256
     python benchmarks/decode_profile.py --top 25 --steps 16 --threads 2
+    python benchmarks/decode_profile.py --floor        # batch 1 only: ops by module, Llama's step, the eager floor
 
 The op and byte counts are deterministic (the same code gives the same numbers on any machine, however
 busy), so they are the before/after measure of a change to the decode path; the self times are one
@@ -20,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3 import K3Config, K3Model
+from k3.model.params import param_report
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
@@ -92,6 +94,110 @@ def measure(eng: LLMEngine, steps: int, top: int) -> dict:
     return dict(ops=counter.ops, moved=counter.moved, ms=1e3 * statistics.median(times), table=table, steps=steps)
 
 
+# module kinds an op is charged to (the innermost enclosing one of these)
+KINDS = ("KimiDeltaAttention", "GatedMLA", "Router", "GatedMLP", "LatentMoE", "RMSNorm", "DecoderLayer",
+         "LlamaAttention", "LlamaMLP", "LlamaRMSNorm", "LlamaDecoderLayer")  # fmt: skip
+MATMULS = {"mm", "bmm", "addmm", "baddbmm", "mv", "addmv", "matmul", "linear",
+           "_scaled_dot_product_flash_attention_for_cpu"}  # fmt: skip
+
+
+def ops_by_module(model: torch.nn.Module, run) -> tuple[Counter, Counter]:
+    """Aten ops of one run() charged to the innermost enclosing module of a kind in KINDS ("other" outside
+    them), and the ops by name."""
+    stack, per = ["other"], Counter()
+
+    class Charged(OpCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            per[stack[-1]] += 1
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    hooks = []
+    for mod in model.modules():
+        kind = type(mod).__name__
+        if kind in KINDS:
+            hooks.append(mod.register_forward_pre_hook(lambda m, a, kind=kind: stack.append(kind) and None))
+            hooks.append(mod.register_forward_hook(lambda m, a, o: stack.pop() and None))
+    counter = Charged()
+    try:
+        with counter:
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return per, counter.ops
+
+
+def op_cost_us(repeats: int = 20000) -> float:
+    """Median µs of one tiny eager op (a 16-element add) called from Python: the floor of any op's cost."""
+    x = torch.zeros(16)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            x.add(1.0)
+        times.append((time.perf_counter() - t0) / repeats)
+    return 1e6 * statistics.median(times)
+
+
+def self_ms(run, steps: int) -> tuple[float, float, float]:
+    """Median wall ms of run(), and the profiled self time per call in matmuls and in everything else."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            run()
+    mm = other = 0.0
+    for e in prof.key_averages():
+        if e.key.startswith("aten::"):
+            if e.key[len("aten::") :] in MATMULS:
+                mm += e.self_cpu_time_total
+            else:
+                other += e.self_cpu_time_total
+    return 1e3 * statistics.median(times), mm / 1e3 / steps, other / 1e3 / steps
+
+
+def floor(model: K3Model, context: int, steps: int) -> None:
+    """Batch-1 decode at `context`: k3's engine step and HF Llama's cached forward (same active parameters,
+    benchmarks/train_step.py's llama_like) side by side: ops by module, matmul vs other self time, and the
+    eager floor = matmul time + ops × the cost of the cheapest op."""
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    from train_step import llama_like
+
+    eng = decoding_engine(model, 1, context)
+    for _ in range(2):
+        eng.step()
+    llama = LlamaForCausalLM(llama_like(param_report(model.config)["active"], model.config)).eval()
+    cache = DynamicCache(config=llama.config)
+    prompt = torch.randint(0, model.config.vocab_size, (1, context))
+    with torch.no_grad():
+        llama(prompt, cache=cache, use_cache=True)
+    token = prompt[:, -1:]
+
+    @torch.no_grad()
+    def llama_step():
+        llama(token, cache=cache, use_cache=True)
+
+    unit = op_cost_us()
+    print(f"\n## the eager floor, batch 1 at {context} tokens (cheapest op here: {unit:.2f} µs)")
+    print("| system | aten ops | of which matmuls | ms per step | matmul self ms | other self ms | "
+          "floor ms (matmul + ops × cheapest op) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    rows = {}
+    for name, mod, run in (("k3 engine step", model, eng.step), ("Llama + KV cache", llama, llama_step)):
+        per, ops = ops_by_module(mod, run)
+        n, n_mm = sum(ops.values()), sum(c for o, c in ops.items() if o in MATMULS)
+        ms, mm_ms, other_ms = self_ms(run, steps)
+        rows[name] = (per, n)
+        print(f"| {name} | {n:,} | {n_mm} | {ms:.1f} | {mm_ms:.1f} | {other_ms:.1f} | "
+              f"{mm_ms + n * unit / 1e3:.1f} |")  # fmt: skip
+    for name, (per, _) in rows.items():
+        print(f"\n{name}, ops by module: " + ", ".join(f"{k} {c}" for k, c in per.most_common()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8, help="decode steps timed and profiled per batch size")
@@ -100,11 +206,15 @@ def main() -> None:
     p.add_argument("--context-1", type=int, default=1024, help="prompt tokens of the batch-1 request")
     p.add_argument("--context-64", type=int, default=256, help="prompt tokens of each batch-64 request")
     p.add_argument("--batches", default="1,64", help="comma-separated batch sizes (1 and/or 64)")
+    p.add_argument("--floor", action="store_true", help="batch 1 only, next to HF Llama: ops by module, the floor")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = K3Model(K3Config.from_preset("small")).eval()
     print(f"k3 small, random weights, fp32, torch {torch.__version__}, {args.threads} thread(s)")
+    if args.floor:
+        floor(model, args.context_1, args.steps)
+        return
     for batch in (int(b) for b in args.batches.split(",")):
         context = args.context_1 if batch == 1 else args.context_64
         r = measure(decoding_engine(model, batch, context), args.steps, args.top)
