@@ -4,6 +4,7 @@ import argparse
 
 import k3
 from k3.cli.common import _context
+from k3.cli.distill import add_distill_parser
 from k3.cli.generation import cmd_eval, cmd_generate
 from k3.cli.info import cmd_env, cmd_params
 from k3.cli.tools import _add_serve_parser, cmd_demo, cmd_export, cmd_plot
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=cmd_export)
 
     _add_serve_parser(sub)
+    add_distill_parser(sub)
 
     plot = sub.add_parser("plot", help="draw a run's loss and MaxVio curves to PNG, or the routing figure")
     plot.add_argument("run", help="a run folder, or `routing` for the routing demo's figure (a run folder named "
