@@ -3,6 +3,11 @@
 One page pool (MLA latents and KDA states), the prefix cache with KDA checkpoints, the scheduler and
 the model runner. `add_request` takes a prompt (text or token ids) and SamplingParams; every step
 returns the new text and tokens of the requests that advanced.
+
+With a draft model (speculative decoding, k3.spec, docs/speculative.md) a decoding request's step is a
+verify row: its last token and the draft's proposals, scored in the same forward as everything else;
+verification decides the tokens, the runner rolls the KDA states back to the last accepted one, the
+scheduler releases the rejected tokens' pages, and the draft proposes again from the forward's features.
 """
 
 import itertools
@@ -14,13 +19,17 @@ import torch
 
 from k3.model.model import K3Model
 from k3.serve.layout import PageLayout
-from k3.serve.model_runner import ModelRunner
-from k3.serve.plan import StepPlan
+from k3.serve.model_runner import ModelRunner, StepOutput
+from k3.serve.plan import StepPlan, VerifyRow
 from k3.serve.pool import PagePool
 from k3.serve.prefix_cache import PrefixCache
 from k3.serve.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from k3.serve.scheduler import Scheduler, SchedulerConfig
 from k3.serve.sequence import FinishReason, Sequence
+from k3.spec.draft import DraftModel
+from k3.spec.proposer import Proposer
+from k3.spec.stats import SpecStats
+from k3.spec.verify import verify
 
 log = logging.getLogger("k3.serve")
 
@@ -34,6 +43,8 @@ class EngineConfig:
     checkpoint_interval_units: int = 4  # store a KDA checkpoint every this many units (and at prompt ends)
     max_model_len: int | None = None  # the context, prompt + max_tokens; None: the model's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_speculative_tokens: int | None = None  # proposals per step with a draft; None: the draft's own (7)
+    spec_rollback: str = "replay"  # how verify rows' KDA states return to the last accepted token (k3.spec.rollback)
 
     def __post_init__(self) -> None:
         if (self.memory_budget is None) == (self.num_pages is None):
@@ -56,7 +67,7 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, model: K3Model, tokenizer, config: EngineConfig):
+    def __init__(self, model: K3Model, tokenizer, config: EngineConfig, draft: DraftModel | None = None):
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, config
         device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
@@ -71,7 +82,7 @@ class LLMEngine:
             block = config.hash_block_pages * self.layout.page_tokens
             self.cache = PrefixCache(self.pool, block, block * config.checkpoint_interval_units)
         self.scheduler = Scheduler(config.scheduler, self.pool, self.cache)
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, config.spec_rollback)
         self.seqs: dict[str, Sequence] = {}  # every request not yet finished or aborted, and its state
         self._ids = itertools.count()
         self.eos_id = getattr(tokenizer, "eos_id", None)
@@ -79,6 +90,9 @@ class LLMEngine:
         if config.max_model_len is not None and not 1 <= config.max_model_len <= limit:
             raise ValueError(f"max_model_len {config.max_model_len} must be in [1, {limit}] (max_position_embeddings)")
         self.max_model_len = config.max_model_len or limit
+        self.draft, self.proposer, self.spec_stats = draft, None, SpecStats()
+        if draft is not None:
+            self.proposer = Proposer(draft.attach(model), self.max_model_len, config.num_speculative_tokens)
         self.last_plan: StepPlan | None = None  # the plan of the step running or last run; None if schedule failed
         log.info("k3 engine: %s", self.pool.describe())
 
@@ -131,33 +145,78 @@ class LLMEngine:
         self.last_plan = None
         plan = self.last_plan = self.scheduler.schedule()
         try:
-            logits = self.runner.run(plan)
+            if self.draft is None:
+                out = StepOutput(self.runner.run(plan), None, None)
+            else:  # the block summaries for the draft come from the same forward
+                out = self.runner.execute(plan, self.draft.feature_blocks)
         except BaseException:
             self.scheduler.abandon(plan)
             raise
-        self.scheduler.complete(plan)
-        outputs = self._postprocess(plan, logits)
+        new_tokens, rows = self._choose(plan, out.logits)
+        accepted = {p.seq: len(t) for p, t in zip(plan.sampled, new_tokens, strict=True) if isinstance(p, VerifyRow)}
+        self.runner.rollback(out, accepted)
+        self.scheduler.complete(plan, accepted)
+        outputs = self._postprocess(plan, out.logits, new_tokens, rows)
+        if self.proposer is not None:
+            # the big model's features where each request's newest token came from
+            ready = [(p.seq, r[len(t) - 1]) for p, t, r in zip(plan.sampled, new_tokens, rows, strict=True)
+                     if not p.seq.is_finished and p.seq.remaining_prefill == 1]  # fmt: skip
+            if ready:
+                at = torch.tensor([r for _, r in ready], device=out.logits.device)
+                self.proposer.propose([s for s, _ in ready], [f[at] for f in out.summaries])
         self.scheduler.step_seconds = 0.9 * self.scheduler.step_seconds + 0.1 * (time.perf_counter() - t0)
         return outputs
 
-    def _postprocess(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
-        """Sample one token for every sampled piece, stream its text, finish and drop what is done."""
-        seqs = [p.seq for p in plan.sampled]
-        if not seqs:
-            return []
-        params = [s.params for s in seqs]
-        tokens = sample(logits, params, [s.generator for s in seqs])
-        logprobs = token_logprobs(logits, tokens, params)
+    def _choose(self, plan: StepPlan, logits: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+        """The new tokens of every sampled piece (one sampled token; a verify row's verified tokens) and the
+        logits rows they came from, in plan.sampled's order."""
+        pieces, rows, start = plan.sampled, [], 0
+        for p in pieces:
+            rows.append(list(range(start, start + p.num_logits)))
+            start += p.num_logits
+        plain = [i for i, p in enumerate(pieces) if not isinstance(p, VerifyRow)]
+        new: list[list[int]] = [[] for _ in pieces]
+        if plain:
+            at = torch.tensor([rows[i][0] for i in plain], device=logits.device)
+            seqs = [pieces[i].seq for i in plain]
+            tokens = sample(logits[at], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+            for i, t in zip(plain, tokens, strict=True):
+                new[i] = [t]
+        for i, p in enumerate(pieces):
+            if isinstance(p, VerifyRow):
+                seq = p.seq
+                new[i] = verify(logits[rows[i]], list(p.proposals), seq.params, seq.draft_probs, seq.generator,
+                                self.eos_id)  # fmt: skip
+                self.spec_stats.record(len(p.proposals), len(new[i]) - 1)
+                seq.num_proposed_tokens += len(p.proposals)
+                seq.num_accepted_tokens += len(new[i]) - 1
+        return new, rows
+
+    def _postprocess(self, plan: StepPlan, logits: torch.Tensor, new_tokens: list[list[int]],
+                     rows: list[list[int]]) -> list[RequestOutput]:  # fmt: skip
+        """Append each sampled piece's new tokens (a verify row's until one ends the request), stream their
+        text, finish and drop what is done."""
         outputs = []
-        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs, strict=True):
-            new_text = seq.append_output(token, self.eos_id)
+        for piece, tokens, at in zip(plan.sampled, new_tokens, rows, strict=True):
+            seq = piece.seq
+            logprobs = None
+            if seq.params.logprobs is not None:
+                n = len(tokens)
+                logprobs = token_logprobs(logits[at[:n]], torch.tensor(tokens, device=logits.device), [seq.params] * n)
+            text, appended = [], []
+            for token in tokens:
+                text.append(seq.append_output(token, self.eos_id))
+                appended.append(token)
+                if seq.is_finished:
+                    break
             if seq.is_finished:
                 self.scheduler.finish(seq)
                 del self.seqs[seq.request_id]
             outputs.append(RequestOutput(
-                seq.request_id, new_text, [token], seq.is_finished,
+                seq.request_id, "".join(text), appended, seq.is_finished,
                 seq.finish_reason.value if seq.finish_reason else None, seq.num_prompt_tokens,
-                seq.num_output_tokens, seq.num_cached_tokens, logprobs=None if logprob is None else [logprob],
+                seq.num_output_tokens, seq.num_cached_tokens,
+                logprobs=None if logprobs is None else logprobs[: len(appended)],
             ))  # fmt: skip
         return outputs
 
@@ -171,4 +230,5 @@ class LLMEngine:
             "pages_used": self.pool.num_used,
             "preemptions": self.scheduler.num_preemptions,
             **stats,
+            **(self.spec_stats.as_dict() if self.draft is not None else {}),
         }

@@ -1,11 +1,15 @@
 """Runs the model over the page pool: one forward per engine step for every piece of its plan, prefill
-pieces of any lengths and decode rows alike (packed by k3.serve.paged_cache.PackedBatch).
+pieces of any lengths, decode rows and verify rows alike (packed by k3.serve.paged_cache.PackedBatch).
 
 The runner executes a StepPlan and nothing else: it reads the pieces' tokens and page tables, writes
 the KDA states, conv tails and latents they compute into the pool (and the KDA checkpoints the plan
-asks for), and returns logits at the sampled positions. It changes no Sequence and no page's
-ownership; progress and commits are the scheduler's, after the forward.
+asks for), and returns logits at the sampled positions, with the big model's AttnRes block summaries
+there when a draft needs them. After verification, `rollback` returns each verify row's KDA states to
+its last accepted token. It changes no Sequence and no page's ownership; progress and commits are the
+scheduler's, after the forward.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,11 +17,23 @@ from k3.model.model import K3Model
 from k3.serve.paged_cache import PackedBatch
 from k3.serve.plan import StepPlan
 from k3.serve.pool import PagePool
+from k3.spec.features import block_summaries
+
+
+@dataclass
+class StepOutput:
+    """logits (n, vocab): row i for the i-th sampled position (plan.sampled's pieces, num_logits rows each);
+    summaries: the draft's block summaries at the same positions, (n, d) each, or None without a draft;
+    batch: what `ModelRunner.rollback` needs of the forward."""
+
+    logits: torch.Tensor
+    summaries: list[torch.Tensor] | None
+    batch: PackedBatch | None
 
 
 class ModelRunner:
-    def __init__(self, model: K3Model, pool: PagePool):
-        self.model, self.pool = model.eval(), pool
+    def __init__(self, model: K3Model, pool: PagePool, rollback: str = "replay"):
+        self.model, self.pool, self.rollback_mode = model.eval(), pool, rollback
         self.config = model.config
         self.device = pool.storage.device
 
@@ -31,12 +47,30 @@ class ModelRunner:
 
     @torch.no_grad()
     def run(self, plan: StepPlan) -> torch.Tensor:
-        """One forward for the whole step -> logits (len(plan.sampled), vocab), row i for plan.sampled[i]."""
+        """One forward for the whole step -> logits (Σ num_logits of plan.sampled, vocab), in its order."""
+        return self.execute(plan).logits
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan, feature_blocks: tuple[int, ...] | None = None) -> StepOutput:
+        """The step's one forward; with feature_blocks (1-based), also those block summaries at the
+        sampled positions."""
         pieces = plan.pieces
         if not pieces:
-            return torch.empty(0, self.config.vocab_size, device=self.device)
+            return StepOutput(torch.empty(0, self.config.vocab_size, device=self.device), None, None)
         self.reset_state([page for p in pieces if p.start == 0 for page in p.state_pages])
-        batch = PackedBatch(self.pool, self.config, pieces)
+        batch = PackedBatch(self.pool, self.config, pieces, self.rollback_mode)
         # each MLA layer takes the model's configured path; the default, "auto", picks per group
         # (latent-space attention for decodes, per-head keys and values for long prefill chunks)
-        return self.model(batch.token_ids, cache=batch, logits_at=batch.logits_at).logits[0]
+        if feature_blocks is None:
+            logits = self.model(batch.token_ids, cache=batch, logits_at=batch.logits_at).logits[0]
+            return StepOutput(logits, None, batch)
+        with block_summaries(self.model) as capture:
+            logits = self.model(batch.token_ids, cache=batch, logits_at=batch.logits_at).logits[0]
+            summaries = [s[0, batch.logits_at] for s in capture.summaries(feature_blocks)]
+        return StepOutput(logits, summaries, batch)
+
+    @torch.no_grad()
+    def rollback(self, output: StepOutput, accepted: dict) -> None:
+        """After verification: each verify row keeps accepted[seq] of its tokens in its KDA states."""
+        if output.batch is not None:
+            output.batch.rollback(accepted)

@@ -21,10 +21,11 @@ import torch
 
 from k3.config import K3Config
 from k3.model.cache import GroupedLayerCache, causal_mask
-from k3.serve.plan import DecodeRow, PrefillPiece
+from k3.serve.plan import DecodeRow, PrefillPiece, VerifyRow
 from k3.serve.pool import PagePool
+from k3.spec.rollback import VerifyKDAState
 
-Piece = PrefillPiece | DecodeRow
+Piece = PrefillPiece | DecodeRow | VerifyRow
 
 
 class PagedKDAState:
@@ -150,7 +151,7 @@ class PackedLayerCache(GroupedLayerCache):
         outs = []
         for start, end, rows, sub in self.groups:
             parts = [x[:, start:end].reshape(rows, (end - start) // rows, *x.shape[2:]) for x in xs]
-            out = mix(*parts, sub)
+            out = sub.verify(mix, *parts) if isinstance(sub, VerifyKDAState) else mix(*parts, sub)
             outs.append(out.reshape(1, end - start, *out.shape[2:]))
         return torch.cat(outs, dim=1)
 
@@ -159,28 +160,40 @@ class PackedBatch:
     """A plan's pieces packed for one forward: what K3Model.forward takes as `cache` (`layers`, one
     PackedLayerCache per layer, and `seq_len`), with the (1, ΣT) token ids and where to read logits.
 
-    Packed order: by (phase, num_tokens), stable, so a request's later pieces follow its earlier ones and
-    decodes stay together in plan order. logits_at (n,): the last token of each sampled piece, in plan
-    order, so the model's output rows are already in the order of plan.sampled.
+    Packed order: by (phase, num_tokens, verify), stable, so a request's later pieces follow its earlier
+    ones, decodes stay together in plan order, and verify rows form groups of their own (their KDA states
+    are kept for a rollback, `rollback`). logits_at (n,): the last num_logits tokens of each sampled piece
+    (one, or all of a verify row's), in plan order, so the model's output rows are in plan.sampled's order.
     """
 
-    def __init__(self, pool: PagePool, config: K3Config, pieces: Sequence[Piece]):
-        self.pool, self.seq_len = pool, 0
+    def __init__(self, pool: PagePool, config: K3Config, pieces: Sequence[Piece], rollback: str = "replay"):
+        self.pool, self.seq_len, self.rollback_mode = pool, 0, rollback
         device = pool.storage.device
-        order = sorted(range(len(pieces)), key=lambda i: (pieces[i].phase, pieces[i].num_tokens))
+
+        def key(p: Piece) -> tuple[int, int, bool]:
+            return p.phase, p.num_tokens, isinstance(p, VerifyRow)
+
+        order = sorted(range(len(pieces)), key=lambda i: key(pieces[i]))
         groups: list[list[Piece]] = []
         for i in order:
             p = pieces[i]
-            if groups and (groups[-1][0].phase, groups[-1][0].num_tokens) == (p.phase, p.num_tokens):
+            if groups and key(groups[-1][0]) == key(p):
                 groups[-1].append(p)
             else:
                 groups.append([p])
         self.token_ids = torch.tensor([[t for i in order for t in pieces[i].token_ids]], device=device)
         # where each piece's last token lands in the packed row
         last = {i: n - 1 for i, n in zip(order, accumulate(pieces[i].num_tokens for i in order), strict=True)}
-        self.logits_at = torch.tensor([last[i] for i, p in enumerate(pieces) if p.sample], device=device,
-                                      dtype=torch.long)  # fmt: skip
+        self.logits_at = torch.tensor([last[i] - p.num_logits + 1 + j for i, p in enumerate(pieces) if p.sample
+                                       for j in range(p.num_logits)], device=device, dtype=torch.long)  # fmt: skip
+        self.verify_states: list[VerifyKDAState] = []
         self.layers = self._layers(config, groups, device)
+
+    def rollback(self, accepted: dict) -> None:
+        """Every verify row's KDA states and conv tails (all layers) back to just after its accepted tokens:
+        accepted[seq] of its num_tokens tokens are computed (k3.spec.rollback)."""
+        for sub in self.verify_states:
+            sub.rollback(accepted)
 
     def _layers(self, config: K3Config, groups: list[list[Piece]], device: torch.device) -> list[PackedLayerCache]:
         per_group, pos = [], 0
@@ -193,6 +206,7 @@ class PackedBatch:
             end = pos + len(group) * group[0].num_tokens
             per_group.append(dict(
                 range=(pos, end, len(group)),
+                verify=[p.seq for p in group] if isinstance(group[0], VerifyRow) else None,
                 kda_rows=torch.tensor([p.state_pages for p in group], device=device).t(),  # (n_kda, rows)
                 kda_progressions=[_progression([p.state_pages[j] for p in group])
                                   for j in range(len(group[0].state_pages))],
@@ -208,11 +222,13 @@ class PackedBatch:
         for kind in config.layer_types:
             if kind == "kda":
                 subs = [
-                    PagedKDAState(self.pool, g["kda_rows"][kda],
-                                  (g["checkpoint"][0], g["checkpoint"][1][kda]) if g["checkpoint"] else None,
-                                  g["kda_progressions"][kda])
+                    VerifyKDAState(self.pool, g["kda_rows"][kda], g["verify"], self.rollback_mode) if g["verify"]
+                    else PagedKDAState(self.pool, g["kda_rows"][kda],
+                                       (g["checkpoint"][0], g["checkpoint"][1][kda]) if g["checkpoint"] else None,
+                                       g["kda_progressions"][kda])
                     for g in per_group
                 ]  # fmt: skip
+                self.verify_states += [sub for sub in subs if isinstance(sub, VerifyKDAState)]
                 kda += 1
             else:
                 subs = [PagedMLALatents(self.pool, mla, **g["mla"]) for g in per_group]

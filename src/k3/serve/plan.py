@@ -40,6 +40,11 @@ class PrefillPiece:
     def end(self) -> int:
         return self.start + len(self.token_ids)
 
+    @property
+    def num_logits(self) -> int:
+        """Positions whose logits the runner returns: the last one when sampled."""
+        return int(self.sample)
+
 
 @dataclass(frozen=True)
 class DecodeRow:
@@ -57,10 +62,44 @@ class DecodeRow:
     checkpoint_pages: ClassVar[None] = None
     sample: ClassVar[bool] = True
     num_tokens: ClassVar[int] = 1
+    num_logits: ClassVar[int] = 1
 
     @property
     def end(self) -> int:
         return self.start + 1
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """A decoding request's last token and the draft's k proposals after it (speculative decoding): k + 1
+    tokens from position `start` = seq.num_tokens − 1, each one's logits returned, so the big model scores
+    every proposal in this step's one forward. Its KDA states are rolled back afterwards to the last
+    accepted token (k3.serve.model_runner.ModelRunner.rollback)."""
+
+    seq: Sequence
+    start: int
+    token_ids: tuple[int, ...]  # (last token, proposal 1, …, proposal k)
+    latent_pages: tuple[int, ...]  # covering start + k + 1 tokens
+    state_pages: tuple[int, ...]
+    phase: ClassVar[int] = 0
+    checkpoint_pages: ClassVar[None] = None
+    sample: ClassVar[bool] = True
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_logits(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def proposals(self) -> tuple[int, ...]:
+        return self.token_ids[1:]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
 
 
 def prefill_piece(seq: Sequence, start: int, end: int, phase: int = 0,
@@ -75,10 +114,14 @@ def prefill_piece(seq: Sequence, start: int, end: int, phase: int = 0,
     )  # fmt: skip
 
 
-def decode_row(seq: Sequence) -> DecodeRow:
-    """The row decoding seq's last token (every earlier token computed)."""
+def decode_row(seq: Sequence, num_proposals: int = 0) -> DecodeRow | VerifyRow:
+    """The row decoding seq's last token (every earlier token computed); with num_proposals > 0 the
+    verify row of that token and the first num_proposals of seq.draft_token_ids."""
     if seq.num_computed_tokens != seq.num_tokens - 1:
         raise ValueError(f"a decode row needs every token but the last computed, got {seq!r}")
+    if num_proposals:
+        tokens = (seq.last_token_id, *seq.draft_token_ids[:num_proposals])
+        return VerifyRow(seq, seq.num_tokens - 1, tokens, tuple(seq.latent_pages), tuple(seq.state_pages))
     return DecodeRow(seq, seq.num_tokens - 1, (seq.last_token_id,), tuple(seq.latent_pages), tuple(seq.state_pages))
 
 
@@ -88,17 +131,22 @@ class StepPlan:
     preempted: requests the scheduler took back while planning (their pages are released)."""
 
     prefill: list[PrefillPiece] = field(default_factory=list)
-    decode: list[DecodeRow] = field(default_factory=list)
+    decode: list[DecodeRow | VerifyRow] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
-    def pieces(self) -> list[PrefillPiece | DecodeRow]:
+    def pieces(self) -> list[PrefillPiece | DecodeRow | VerifyRow]:
         return [*self.prefill, *self.decode]
 
     @property
-    def sampled(self) -> list[PrefillPiece | DecodeRow]:
-        """The pieces whose last-token logits the runner returns, in its output's row order."""
+    def sampled(self) -> list[PrefillPiece | DecodeRow | VerifyRow]:
+        """The pieces whose logits the runner returns, in its output's row order: num_logits rows each
+        (the last token's; every token's of a verify row)."""
         return [p for p in self.pieces if p.sample]
+
+    @property
+    def verify(self) -> list[VerifyRow]:
+        return [p for p in self.decode if isinstance(p, VerifyRow)]
 
     @property
     def num_tokens(self) -> int:

@@ -51,6 +51,7 @@ class _Draft:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int, int, int, bool]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    proposals: dict[Sequence, int] = field(default_factory=dict)  # draft tokens each decode verifies
 
 
 class Scheduler:
@@ -142,6 +143,8 @@ class Scheduler:
             if self._grow(seq, seq.num_tokens, draft):
                 draft.decode.append(seq)
                 budget -= 1
+                if seq.draft_token_ids:
+                    budget -= self._speculate(seq, budget, draft)
         # 2. Prefill chunks of running requests, then admissions, under what is left of the budget.
         for seq in self.running:
             if budget <= 0:
@@ -163,13 +166,40 @@ class Scheduler:
         for seq, start, end, phase, checkpoint in draft.prefill:
             pages = self.cache.reserve_checkpoint(seq, end) if checkpoint else None
             prefill.append(prefill_piece(seq, start, end, phase, pages))
-        return StepPlan(prefill, [decode_row(s) for s in draft.decode], draft.preempted)
+        return StepPlan(prefill, [decode_row(s, draft.proposals.get(s, 0)) for s in draft.decode], draft.preempted)
 
-    def complete(self, plan: StepPlan) -> None:
+    def _speculate(self, seq: Sequence, budget: int, draft: _Draft) -> int:
+        """Verify up to len(seq.draft_token_ids) proposals after seq's last token, within the token budget and
+        the pages free now: speculation takes pages only when nothing is evicted or preempted for them
+        (it is an optimisation, and the proposals' pages are handed back after the step). Returns tokens used."""
+        k = min(len(seq.draft_token_ids), budget)
+        need = self.layout.latent_pages(seq.num_tokens + k) - len(seq.latent_pages)
+        while k and need > self.pool.num_free:
+            k -= 1
+            need = self.layout.latent_pages(seq.num_tokens + k) - len(seq.latent_pages)
+        if k:
+            seq.latent_pages += self.pool.allocate(max(0, need))
+            draft.proposals[seq] = k
+        return k
+
+    def complete(self, plan: StepPlan, accepted: dict[Sequence, int] | None = None) -> None:
         """After the plan's forward: advance each request's progress (the only place that does), commit the
-        checkpoints the forward filled, and register the latent units that are now full."""
+        checkpoints the forward filled, and register the latent units that are now full.
+
+        accepted: for each verify row's request, the new tokens verification gave it (accepted proposals
+        + 1): its last token and the accepted proposals are computed, the rejected ones are not, and the
+        latent pages past the next token's slot (the rejected proposals') go back to the pool."""
         for piece in plan.pieces:
             piece.seq.num_computed_tokens = piece.end
+        for row in plan.verify:
+            seq, n = row.seq, (accepted or {}).get(row.seq)
+            if n is None or not 1 <= n <= row.num_tokens:
+                raise ValueError(f"verify row of {seq!r} needs 1 … {row.num_tokens} accepted tokens, got {n}")
+            seq.num_computed_tokens = row.start + n
+            keep = self.layout.latent_pages(seq.num_computed_tokens + 1)
+            if len(seq.latent_pages) > keep:
+                self.pool.release(seq.latent_pages[keep:])
+                del seq.latent_pages[keep:]
         if self.cache is None:
             return
         for piece in plan.prefill:
@@ -248,6 +278,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, draft: _Draft) -> None:
         self.running.remove(seq)
         draft.decode = [s for s in draft.decode if s is not seq]
+        draft.proposals.pop(seq, None)
         draft.prefill = [c for c in draft.prefill if c[0] is not seq]
         self.pool.release(seq.reset_for_recompute())
         self.waiting.appendleft(seq)

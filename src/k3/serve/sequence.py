@@ -71,6 +71,13 @@ class Sequence:
         self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stop_checker = StopChecker(self.params.stop)
         self.output_text = ""
+        # speculative decoding: the draft's proposals for the tokens after the last one (the engine sets
+        # them after each step, the scheduler plans their verification), the draft distributions they were
+        # drawn from (K, V) for a sampled request, and how many were proposed and accepted so far
+        self.draft_token_ids: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
+        self.num_proposed_tokens = 0
+        self.num_accepted_tokens = 0
 
     def __repr__(self) -> str:
         return (
@@ -156,6 +163,7 @@ class Sequence:
             raise RuntimeError(f"request {self.request_id!r} is finished; nothing to recompute")
         dropped = self.latent_pages + self.state_pages
         self.latent_pages, self.state_pages = [], []
+        self.draft_token_ids, self.draft_probs = [], None
         self.num_computed_tokens = 0
         self.status = SequenceStatus.PREEMPTED
         return dropped

@@ -1,0 +1,61 @@
+"""The engine's use of the draft: after each step, proposals for every request that just produced a token.
+
+A request that decodes next step (its tokens all computed but the newest) gets up to k proposals, fewer
+when its max_tokens or the context leave less room (a verify step emits at most k + 1 tokens). Greedy
+requests propose the draft's argmax; sampled ones draw from the draft's distribution under their own
+temperature, top-k and top-p, with their own generator, and keep those distributions (q) for
+rejection sampling. The proposals and q are stored on the Sequence, which the scheduler reads when it
+plans the verify row.
+"""
+
+import torch
+
+from k3.serve.sequence import Sequence
+from k3.spec.draft import DraftModel
+from k3.spec.verify import request_probs
+
+
+class Proposer:
+    def __init__(self, draft: DraftModel, max_model_len: int, num_speculative_tokens: int | None = None):
+        self.draft, self.max_model_len = draft.eval(), max_model_len
+        self.k = draft.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        if not isinstance(self.k, int) or self.k < 0:
+            raise ValueError(f"num_speculative_tokens must be an int >= 0, got {self.k!r}")
+
+    def room(self, seq: Sequence) -> int:
+        """Proposals seq can use: k, bounded by its remaining max_tokens (minus the bonus) and the context."""
+        return max(0, min(self.k, seq.params.max_tokens - seq.num_output_tokens - 1,
+                          self.max_model_len - seq.num_tokens))  # fmt: skip
+
+    @torch.no_grad()
+    def propose(self, seqs: list[Sequence], summaries: list[torch.Tensor]) -> None:
+        """seqs: requests that just produced their newest token; summaries: the big model's block summaries
+        at the position that produced it, (len(seqs), d) each. Sets each seq's draft_token_ids (and
+        draft_probs for sampled requests)."""
+        ks = [self.room(seq) for seq in seqs]
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        for seq in seqs:
+            seq.draft_token_ids, seq.draft_probs = [], None
+        if not rows:
+            return
+        device = summaries[0].device
+        idx = torch.tensor(rows, device=device)
+        live = [seqs[i] for i in rows]
+        g0 = self.draft.features([s[idx] for s in summaries])
+        tokens = torch.tensor([seq.last_token_id for seq in live], device=device)
+        sampled = [i for i, seq in enumerate(live) if not seq.params.greedy]
+        q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in sampled}
+
+        def choose(logits: torch.Tensor, j: int) -> torch.Tensor:
+            out = logits.argmax(dim=-1)
+            for i in sampled:
+                q = request_probs(logits[i : i + 1], live[i].params)[0]
+                out[i] = torch.multinomial(q, 1, generator=live[i].generator)[0]
+                q_rows[i].append(q)
+            return out
+
+        proposals, _ = self.draft.propose(tokens, g0, max(ks), choose)
+        proposals = proposals.tolist()
+        for i, (seq, k) in enumerate(zip(live, [ks[r] for r in rows], strict=True)):
+            seq.draft_token_ids = proposals[i][:k]
+            seq.draft_probs = torch.stack(q_rows[i][:k]) if i in q_rows else None

@@ -1,0 +1,80 @@
+"""Verification of a draft's proposals against the big model's logits at the same positions (SPEC §3).
+
+Greedy (temperature 0): accept the longest prefix of proposals equal to the big model's argmax, then
+add the big model's own token at the first disagreement (or after the last proposal): the tokens are
+exactly those greedy decoding without a draft produces.
+
+Sampling: the rejection scheme of Leviathan et al. / Chen et al. (2023). Proposal dⱼ, drawn from the
+draft's filtered distribution qⱼ, is accepted with probability min(1, pⱼ(dⱼ) / qⱼ(dⱼ)), pⱼ the big
+model's filtered distribution (the request's temperature, top-k and top-p, as without a draft); at the
+first rejection the token is drawn from norm(max(0, pⱼ − qⱼ)) and the step ends; if all k are accepted
+a bonus token is drawn from p_k. Each emitted token then has exactly the distribution p of its
+position, whatever the draft.
+
+Shape suffixes: K proposals, V vocabulary.
+"""
+
+import torch
+
+from k3.model.sampling import filtered_probs
+from k3.serve.sampling import SamplingParams
+
+
+def request_probs(logits_RV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(R, V) logits of one request's positions -> (R, V) the distribution it samples from (temperature,
+    then top-k, then top-p), in fp32 (fp64 for fp64 logits)."""
+    R, V = logits_RV.shape
+    dtype = torch.promote_types(logits_RV.dtype, torch.float32)
+    top_k = torch.full((R,), params.top_k if params.top_k > 0 else V, device=logits_RV.device).clamp(max=V)
+    top_p = torch.full((R,), params.top_p, dtype=torch.float32, device=logits_RV.device)
+    return filtered_probs(logits_RV.to(dtype) / params.temperature, top_k, top_p)
+
+
+def accept_greedy(big_logits_KV: torch.Tensor, proposals_K: list[int]) -> list[int]:
+    """big_logits (K+1, V) at the verified positions, proposals K tokens -> the new tokens: the agreeing
+    prefix of the proposals, then the big model's token where they first differ (or the bonus token)."""
+    best = big_logits_KV.argmax(dim=-1).tolist()
+    n = 0
+    while n < len(proposals_K) and proposals_K[n] == best[n]:
+        n += 1
+    return best[: n + 1]
+
+
+def accept_sampled(p_KV: torch.Tensor, q_KV: torch.Tensor, proposals_K: list[int],
+                   generator: torch.Generator | None) -> list[int]:  # fmt: skip
+    """p (K+1, V) the big model's distributions at the verified positions, q (K, V) the draft's that the
+    proposals were drawn from -> the new tokens (accepted proposals, then a residual or bonus draw)."""
+    K = len(proposals_K)
+    if K:
+        d = torch.tensor(proposals_K, device=p_KV.device)
+        p_d = p_KV[:K].gather(1, d[:, None])[:, 0].tolist()
+        q_d = q_KV.gather(1, d[:, None])[:, 0].tolist()
+        u = torch.rand(K, generator=generator, device=p_KV.device, dtype=torch.float64).tolist()
+    for j in range(K):
+        # accept with probability min(1, p/q): u < p/q, written without dividing by q
+        if u[j] * q_d[j] < p_d[j]:
+            continue
+        residual = (p_KV[j] - q_KV[j].to(p_KV.dtype)).clamp(min=0)
+        total = residual.sum()
+        # total = 0 only if p ≤ q everywhere, i.e. p = q, where rejection has probability 0; kept safe anyway
+        dist = residual / total if total > 0 else p_KV[j]
+        return [*proposals_K[:j], int(torch.multinomial(dist, 1, generator=generator)[0])]
+    return [*proposals_K, int(torch.multinomial(p_KV[K], 1, generator=generator)[0])]
+
+
+def verify(big_logits_KV: torch.Tensor, proposals_K: list[int], params: SamplingParams,
+           draft_probs_KV: torch.Tensor | None, generator: torch.Generator | None,
+           eos_token_id: int | None = None) -> list[int]:  # fmt: skip
+    """One verify row: the big model's logits (K+1, V) at its positions -> the tokens it emits, cut after
+    the first one that ends the request (eos unless ignore_eos, a stop token id): nothing after it exists."""
+    if params.greedy:
+        tokens = accept_greedy(big_logits_KV, proposals_K)
+    else:
+        if draft_probs_KV is None or len(draft_probs_KV) < len(proposals_K):
+            raise ValueError("sampled proposals need the draft distributions they were drawn from")
+        p = request_probs(big_logits_KV[: len(proposals_K) + 1], params)
+        tokens = accept_sampled(p, draft_probs_KV[: len(proposals_K)], proposals_K, generator)
+    for i, t in enumerate(tokens):
+        if (t == eos_token_id and not params.ignore_eos) or t in params.stop_token_ids:
+            return tokens[: i + 1]
+    return tokens
