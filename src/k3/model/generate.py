@@ -29,9 +29,11 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     eos_token_id: int | None = None,
+    image_embeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """input_ids (B, T) -> (B, T + n) with n ≤ max_new_tokens (stops early once every row has emitted
-    eos_token_id; rows that finished first are padded with it)."""
+    eos_token_id; rows that finished first are padded with it). image_embeds: model.encode_images(...) for
+    the image placeholders in input_ids."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [B, T] with T >= 1, got shape {list(input_ids.shape)}")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -40,7 +42,7 @@ def generate(
     if seed is not None:
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
     cache = K3Cache.empty(model.config)
-    logits = model(input_ids, cache=cache).logits[:, -1]
+    logits = model(input_ids, cache=cache, image_embeds=image_embeds).logits[:, -1]
     out, done = [input_ids], torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for _ in range(max_new_tokens):
         token = sample(logits, temperature, top_p, generator)
