@@ -7,6 +7,7 @@ from k3.cli.common import _context
 from k3.cli.distill import add_distill_parser
 from k3.cli.generation import cmd_eval, cmd_generate
 from k3.cli.info import cmd_env, cmd_params
+from k3.cli.spec import add_train_draft_parser
 from k3.cli.tools import _add_serve_parser, cmd_demo, cmd_export, cmd_plot
 from k3.cli.training import QUICKSTART_STEPS, _add_train_flags, cmd_init, cmd_quickstart, cmd_train
 from k3.config import PRESETS
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_serve_parser(sub)
     add_distill_parser(sub)
+    add_train_draft_parser(sub)
 
     plot = sub.add_parser("plot", help="draw a run's loss and MaxVio curves to PNG, or the routing figure")
     plot.add_argument("run", help="a run folder, or `routing` for the routing demo's figure (a run folder named "
