@@ -23,7 +23,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve(args.model, args.host, args.port, max_model_len=args.max_model_len, limits=limits,
                      api_key=args.api_key or os.environ.get("K3_API_KEY") or None, model_name=args.served_model_name,
                      memory_budget=budget, num_pages=args.num_pages, device=device, quantization=args.quantization,
-                     max_num_seqs=args.max_num_seqs)  # fmt: skip
+                     max_num_seqs=args.max_num_seqs, speculative_model=args.speculative_model)  # fmt: skip
     except USER_ERRORS as e:
         return _fail("serve", e)
 
@@ -108,4 +108,6 @@ def _add_serve_parser(sub) -> None:
     size = srv.add_mutually_exclusive_group()
     size.add_argument("--memory-budget", type=float, default=None, help="MiB for the engine's page pool (256)")
     size.add_argument("--num-pages", type=int, default=None, help="the page pool's size in pages instead")
+    srv.add_argument("--speculative-model", default=None,
+                     help="a draft folder from `k3 train-draft`: speculative decoding")  # fmt: skip
     srv.set_defaults(func=cmd_serve)

@@ -45,19 +45,25 @@ class DrainingServer(uvicorn.Server):
 
 
 def build_engine(model: str | Path, memory_budget: int | None, num_pages: int | None, device: str = "cpu",
-                 quantization: str | None = None, max_num_seqs: int | None = None):  # fmt: skip
-    """(AsyncEngine started, the model's context) for a model, run or step folder."""
+                 quantization: str | None = None, max_num_seqs: int | None = None,
+                 speculative_model: str | Path | None = None):  # fmt: skip
+    """(AsyncEngine started, the model's context) for a model, run or step folder; speculative_model: a
+    draft folder from `k3 train-draft` (docs/speculative.md)."""
     from k3.hub import load_for_inference
     from k3.serve.async_engine import AsyncEngine
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.scheduler import SchedulerConfig
+    from k3.spec.folder import load_draft, read_meta
 
+    if speculative_model is not None:
+        read_meta(speculative_model)  # a wrong folder is an error before the model's load
     weights, tokenizer = load_for_inference(model, device=device, quantization=quantization)
+    draft = load_draft(speculative_model, weights) if speculative_model is not None else None
     if memory_budget is None and num_pages is None:
         memory_budget = 256 << 20
     scheduler = SchedulerConfig() if max_num_seqs is None else SchedulerConfig(max_num_seqs=max_num_seqs)
     config = EngineConfig(memory_budget=memory_budget, num_pages=num_pages, scheduler=scheduler)
-    engine = AsyncEngine(LLMEngine(weights, tokenizer, config))
+    engine = AsyncEngine(LLMEngine(weights, tokenizer, config, draft=draft))
     engine.start()
     return engine, weights.config.max_position_embeddings
 
@@ -66,10 +72,11 @@ def serve(model: str | Path, host: str, port: int, *, max_model_len: int | None 
           api_key: str | None = None,
           model_name: str | None = None, memory_budget: int | None = None, num_pages: int | None = None,
           device: str = "cpu", quantization: str | None = None, max_num_seqs: int | None = None,
-          log_level: str = "info", ready=None) -> int:  # fmt: skip
+          log_level: str = "info", ready=None, speculative_model: str | Path | None = None) -> int:  # fmt: skip
     """Serve until a shutdown signal; 0 after a drained shutdown. max_model_len may only lower the model's
     context; `limits` holds ServerLimits' other fields. `ready(engine)`, if given, is called once serving starts."""
-    engine, context = build_engine(model, memory_budget, num_pages, device, quantization, max_num_seqs)
+    engine, context = build_engine(model, memory_budget, num_pages, device, quantization, max_num_seqs,
+                                   speculative_model)  # fmt: skip
     try:
         if max_model_len is not None and not 1 <= max_model_len <= context:
             raise ValueError(f"--max-model-len {max_model_len}: must be in 1..{context:,} (the model's context)")
