@@ -41,6 +41,9 @@ class LLM:
     quantization: None (default) holds every weight dense, decoding MXFP4-packed experts at load; "mxfp4"
     keeps the routed experts packed in memory and computes from them (a packed folder's bytes as they are;
     dense weights packed at load), 128/17 ≈ 7.5x fewer resident expert bytes than fp32.
+    speculative_model: a draft folder from `k3 train-draft` (speculative decoding, docs/speculative.md): the
+    draft proposes up to num_speculative_tokens (default: the draft's, 7) tokens a step and the model
+    verifies them in its one forward; outputs follow the model's distribution exactly (greedy: the same tokens).
     Other keywords go to SchedulerConfig. `ckpt=` is the older keyword for the path.
 
     The engine's step loop runs on a background thread (k3.serve.async_engine), started at the first
@@ -51,21 +54,27 @@ class LLM:
                  num_pages: int | None = None, enable_prefix_caching: bool = True, device: str = "cpu",
                  text_only: bool = False, dtype: torch.dtype = torch.float32, quantization: str | None = None,
                  ckpt: str | Path | None = None, max_model_len: int | None = None,
+                 speculative_model: str | Path | None = None, num_speculative_tokens: int | None = None,
                  **scheduler_kwargs):  # fmt: skip
         from k3.hub import load_for_inference
         from k3.hub.load import check_quantization
+        from k3.spec.folder import load_draft, read_meta
 
         if (model is None) == (ckpt is None):
             raise TypeError("LLM takes one model path: LLM(path), LLM(model=path) or LLM(ckpt=path)")
         check_quantization(quantization)  # before the scheduler's keywords and the (long) load
+        if speculative_model is not None:
+            read_meta(speculative_model)  # a missing or corrupt draft folder is reported before the load too
         if memory_budget is None and num_pages is None:
             memory_budget = 256 << 20
         config = EngineConfig(memory_budget=memory_budget, num_pages=num_pages,
                               enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+                              num_speculative_tokens=num_speculative_tokens,
                               scheduler=SchedulerConfig(**scheduler_kwargs))  # fmt: skip
         weights, self.tokenizer = load_for_inference(model if ckpt is None else ckpt, device=device, dtype=dtype,
                                                      text_only=text_only, quantization=quantization)  # fmt: skip
-        self.engine = LLMEngine(weights, self.tokenizer, config)
+        draft = load_draft(speculative_model, weights) if speculative_model is not None else None
+        self.engine = LLMEngine(weights, self.tokenizer, config, draft=draft)
         self.async_engine = AsyncEngine(self.engine)
         # the loop thread holds the engine, not this object: collecting the LLM stops the loop
         self._finalizer = weakref.finalize(self, self.async_engine.shutdown, 0)
