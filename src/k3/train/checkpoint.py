@@ -43,6 +43,7 @@ FORMAT = "k3-checkpoint-2"  # -2 added meta_sha256; -1 (no self-checksum) still 
 READABLE_FORMATS = ("k3-checkpoint-1", FORMAT)
 FILES = ("model.safetensors", "optimizer.safetensors", "extra.safetensors")
 STEP_NAME = re.compile(r"step_\d{8}")
+ROUTED_EXPERT = re.compile(r".*\.block_sparse_moe\.experts\.\d+\..*")
 
 
 class CheckpointError(ValueError):
@@ -116,15 +117,31 @@ def save_checkpoint(
     keep_last: int = 3,
 ) -> Path:
     """Write step `step` atomically and prune all but the newest `keep_last` checkpoints."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    model_tensors = {k: v.detach().contiguous().cpu().clone() for k, v in model.state_dict().items()}
+    opt_tensors, opt_meta = _optimizer_tensors(optimizer, names)
+    return write_checkpoint(run_dir, step, model_tensors, opt_tensors, opt_meta, config, state, extra, keep_last)
+
+
+def write_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model_tensors: dict[str, torch.Tensor],
+    opt_tensors: dict[str, torch.Tensor],
+    opt_meta: dict[str, Any],
+    config: K3Config,
+    state: dict[str, Any],
+    extra: dict[str, torch.Tensor] | None = None,
+    keep_last: int = 3,
+) -> Path:
+    """save_checkpoint from tensors already gathered: the model's state_dict, the optimiser state keyed
+    "<parameter name>::<key>" and its groups (k3.train.resharding builds them from several ranks)."""
     check_tokenizer_path(state.get("tokenizer"), run_dir)
     run_dir = Path(run_dir)
     final = run_dir / f"step_{step:08d}"
     tmp = run_dir / f".step_{step:08d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    names = {id(p): n for n, p in model.named_parameters()}
-    model_tensors = {k: v.detach().contiguous().cpu().clone() for k, v in model.state_dict().items()}
-    opt_tensors, opt_meta = _optimizer_tensors(optimizer, names)
     extra = {"rng.torch": torch.get_rng_state(), **(extra or {})}
     save_file(model_tensors, tmp / "model.safetensors", metadata={"format": "pt"})
     save_file(opt_tensors, tmp / "optimizer.safetensors", metadata={"format": "pt"})
@@ -193,12 +210,16 @@ class Checkpoint:
             )
         return renamed
 
-    def load_model(self, model: torch.nn.Module) -> None:
-        """Load the weights strictly: a key the model cannot place, or one it lacks, is an error."""
+    def load_model(self, model: torch.nn.Module, others_experts: bool = False) -> None:
+        """Load the weights strictly: a key the model cannot place, or one it lacks, is an error.
+        others_experts: the model holds some of the routed experts (expert parallelism); the checkpoint's
+        other experts are not loaded (every other key still must fit)."""
         tensors = self.tensors("model.safetensors")
         names = self._released_names(list(tensors), "model.safetensors")
         tensors = {names[k]: v for k, v in tensors.items()}
         own = model.state_dict()
+        if others_experts:
+            tensors = {k: v for k, v in tensors.items() if k in own or not ROUTED_EXPERT.fullmatch(k)}
         unexpected = sorted(set(tensors) - set(own))
         missing = sorted(set(own) - set(tensors))
         if unexpected or missing:
@@ -211,21 +232,36 @@ class Checkpoint:
                 raise CheckpointError(f"{self.path}: {k} has shape {list(v.shape)}, the model has {list(own[k].shape)}")
         model.load_state_dict(tensors, strict=True)
 
-    def load_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
-        names = {id(p): n for n, p in model.named_parameters()}
+    def load_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, others_experts: bool = False, place=None
+    ) -> None:
+        """The optimiser state, by parameter name. others_experts: as in load_model (the state of experts the
+        model does not hold is skipped); place(param, tensor): the part of a saved tensor this process keeps
+        (k3.train.resharding.local_part for sharded parameters)."""
+        params = dict(model.named_parameters())
+        names = {id(p): n for n, p in params.items()}
         flat = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
         index = {n: i for i, n in enumerate(flat)}
         saved = self.meta["optimizer"]
         new = self._released_names([n for g in saved["groups"] for n in g["params"]], "the optimiser's groups")
-        saved_names = [new[n] for g in saved["groups"] for n in g["params"]]
-        if saved_names != flat:
+        groups_names = [[new[n] for n in g["params"]] for g in saved["groups"]]
+        if others_experts:
+            groups_names = [[n for n in g if n in index or not ROUTED_EXPERT.fullmatch(n)] for g in groups_names]
+        if [n for g in groups_names for n in g] != flat:
             raise CheckpointError(f"{self.path}: the optimiser's parameter groups differ from the checkpoint's")
         state: dict[int, dict[str, Any]] = {}
         for key, value in [*self.tensors("optimizer.safetensors").items(), *saved["scalars"].items()]:
             name, leaf = key.split("::")
-            state.setdefault(index[legacy_key(name)], {})[leaf] = value
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[new[n]] for n in g["params"]]}
-                  for g in saved["groups"]]  # fmt: skip
+            name = legacy_key(name)
+            if name not in index:
+                if others_experts and ROUTED_EXPERT.fullmatch(name):
+                    continue
+                raise CheckpointError(f"{self.path}: optimiser state for {name}, which the model does not have")
+            if place is not None and isinstance(value, torch.Tensor):
+                value = place(params[name], value)
+            state.setdefault(index[name], {})[leaf] = value
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in names]}
+                  for g, names in zip(saved["groups"], groups_names, strict=True)]  # fmt: skip
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 # Quintic coefficients (Jordan et al.): chosen to push small singular values up fast (slope a at 0)
 # rather than to converge; after 5 steps the singular values lie in about [0.68, 1.13], not at 1.
@@ -176,6 +177,11 @@ class MuonAdamW(torch.optim.Optimizer):
             buf.mul_(mu).add_(p.grad)
             params.append(p)
             directions.append(p.grad.add(buf, alpha=mu))
+        # A matrix sharded by rows across ranks (FSDP2: p, its gradient and its momentum are DTensors) is
+        # orthogonalised on its full value: its direction is all-gathered here, one matrix at a time in the
+        # group's order, and every rank computes the same update and keeps its rows of it.
+        sharded = [isinstance(d, DTensor) for d in directions]
+        directions = [d.full_tensor() if s else d for d, s in zip(directions, sharded, strict=True)]
         # Same-shaped matrices (every expert's w1, all q_proj, ...) share batched Newton–Schulz calls: a few
         # large matmuls instead of hundreds of small ones, whose per-call overhead dominates on a CPU.
         by_shape: dict[torch.Size, list[int]] = {}
@@ -188,6 +194,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 updates = muon_update(torch.stack([directions[i] for i in chunk]), group["heads"], group["ns_steps"])
                 for i, update in zip(chunk, updates, strict=True):
                     p = params[i]
+                    if sharded[i]:  # this rank's rows of the full update
+                        update = distribute_tensor(update, p.device_mesh, p.placements, src_data_rank=None)
                     p.mul_(1 - lr * wd)  # decoupled: the decay never enters the momentum
                     p.add_(update.to(p.dtype), alpha=-lr)
 

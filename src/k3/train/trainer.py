@@ -33,6 +33,7 @@ from k3.train.balance import FixedStepBalancer, QuantileBalancer
 from k3.train.checkpoint import CheckpointError, config_diff, load_checkpoint, save_checkpoint, step_dirs
 from k3.train.corpus import domain_spec, fingerprint, load_corpus
 from k3.train.data import PackedSequences, cached_pack
+from k3.train.distributed import DP_MODES, Parallel
 from k3.train.files import (
     append_line,
     atomic_write,
@@ -42,6 +43,7 @@ from k3.train.files import (
     repair_torn_tail,
 )
 from k3.train.optim import EXPERT_OPTIMIZERS, build_optimizer, lr_at, set_lr_factor
+from k3.train.parallelize import clip_grad_norm, parallelize, sync_expert_grads
 from k3.train.runinfo import (
     RESULT_FLAGS,
     RunMismatchError,
@@ -116,6 +118,8 @@ class TrainArgs:
     qat: str | None = _arg(None, "quantisation-aware training: mxfp4 (routed experts' weights MXFP4, their inputs "
                            "MXFP8, straight-through gradients; the model's config records it, and the packed "
                            "export computes exactly the trained function)")  # fmt: skip
+    dp: str = _arg("ddp", "with several processes: the non-expert parameters replicated (ddp) or sharded (fsdp)")
+    ep: int = _arg(1, "with several processes: split the routed experts over groups of this many ranks")
     progress: bool = _arg(True, "show a progress bar")
 
     def __post_init__(self) -> None:
@@ -137,6 +141,10 @@ class TrainArgs:
             raise ValueError(f"--expert-ns-steps must be at least 1, got {self.expert_ns_steps}")
         if self.balancer not in ("quantile", "fixed", "none"):
             raise ValueError(f"--balancer must be quantile, fixed or none, got {self.balancer!r}")
+        if self.dp not in DP_MODES:
+            raise ValueError(f"--dp must be one of {', '.join(DP_MODES)}, got {self.dp!r}")
+        if self.ep < 1:
+            raise ValueError(f"--ep must be at least 1, got {self.ep}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if not self.clip > 0:
@@ -200,10 +208,21 @@ def _check_paths(args: TrainArgs) -> None:
 
 
 class Trainer:
-    def __init__(self, args: TrainArgs, log=print):
+    """One process's trainer. With several (k3.train.distributed; `parallel`), rank 0 prepares the run folder
+    (run.json, tokenizer, token streams) while the others wait, then they read it; every rank takes its rows
+    of each micro-batch, and rank 0 alone writes metrics and checkpoints (k3.train.resharding)."""
+
+    def __init__(self, args: TrainArgs, log=print, parallel: Parallel | None = None):
         self.args, self.log = args, log
+        self.parallel = parallel = parallel or Parallel()
+        main = parallel.is_main
         self.run = Path(args.out)
         _check_paths(args)
+        if args.batch_size % parallel.world_size:
+            raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the number of processes "
+                             f"({parallel.world_size}): each takes an equal share of every micro-batch")  # fmt: skip
+        if not main:
+            parallel.barrier()  # rank 0 prepares the folder first
         ckpt = load_checkpoint(self.run, log=log) if args.resume else None
         train_docs, val_docs = load_corpus(args.data, args.val_fraction, args.val_data, log=log)
         record, stale = self._check_record(ckpt, train_docs, val_docs)  # reads only: a mismatch leaves no files
@@ -215,15 +234,18 @@ class Trainer:
             self.config = self._resumed_config(ckpt)
 
         self.run.mkdir(parents=True, exist_ok=True)
-        removed = clean_stale_temp(self.run)
+        if hasattr(log, "attach"):  # a per-rank log file (k3.train.distributed.RankLog)
+            log.attach(self.run)
+        removed = clean_stale_temp(self.run) if main else []
         if removed:
             log(f"{self.run}: removed {len(removed)} unfinished writes of a killed run ({', '.join(removed[:3])})")
-        torn = repair_torn_tail(self.run / "metrics.jsonl")
+        torn = repair_torn_tail(self.run / "metrics.jsonl") if main else 0
         if torn:
             log(f"{self.run / 'metrics.jsonl'}: dropped a torn last line ({torn} bytes) left by an interrupted write")
         for name in stale:
             (self.run / name).unlink(missing_ok=True)
-        write_record(self.run, record)  # before the tokenizer: a kill during its training leaves a known folder
+        if main:
+            write_record(self.run, record)  # before the tokenizer: a kill during its training leaves a known folder
 
         pretrained = None
         if args.init_from is not None and ckpt is None:
@@ -232,19 +254,25 @@ class Trainer:
         if ckpt is None:
             self.tokenizer = prepare_tokenizer(self.run, train_docs, args.vocab_size)
         record.tokenizer_sha256 = file_sha256(self.run / "tokenizer.json")
-        write_record(self.run, record)
+        if main:
+            write_record(self.run, record)
         self.train_data = self._sequences("train", train_docs, args.seed)
         mix = SyntheticMix(self.tokenizer, args.synthetic_ratio, args.seed) if args.synthetic_ratio > 0 else None
         stages = parse_stages(args.stages) if args.stages else None
         self.batches = TrainBatches(self.train_data, args.batch_size, stages, mix)
         val = self._sequences("val", val_docs, 0)
         self.val_batches = val.fixed_batches(args.eval_batches, args.batch_size)
+        if main:
+            parallel.barrier()  # the folder is ready for the other ranks
         if ckpt is None and pretrained is None:
             self.config = K3Config.from_preset(args.preset, vocab_size=self.tokenizer.vocab_size)
         torch.manual_seed(args.seed)
         self.model = (K3Model(self.config) if pretrained is None else pretrained.model.train()).to(self.device)
         self.config = set_expert_quantization(self.model, args.qat)  # --qat decides, whatever the source said
         self.model.set_activation_checkpointing(args.activation_checkpointing)
+        if ckpt is not None and parallel.distributed:  # the full weights, before the model is split over ranks
+            ckpt.load_model(self.model)
+        self.pm = parallelize(self.model, parallel)
         self.optimizer = self._optimizer(args.expert_optimizer, args.expert_ns_steps)
         self.balancer = None
         if args.balancer == "quantile":
@@ -388,14 +416,23 @@ class Trainer:
                  f"--preset and --vocab-size")  # fmt: skip
         return pretrained
 
+    def _load_optimizer(self, ckpt, optimizer) -> None:
+        if not self.parallel.distributed:
+            ckpt.load_optimizer(optimizer, self.model)
+            return
+        from k3.train.resharding import local_part
+
+        ckpt.load_optimizer(optimizer, self.model, others_experts=self.parallel.ep > 1, place=local_part)
+
     def _restore(self, ckpt) -> None:
-        ckpt.load_model(self.model)
+        if not self.parallel.distributed:  # (several ranks loaded the weights before splitting the model)
+            ckpt.load_model(self.model)
         # The optimiser's saved groups carry the run's lr and weight decay; the flags given now are the ones
         # that count (equal unless --override accepted new values), so they are taken from the fresh groups.
         fresh = [(g["base_lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
         saved = getattr(self, "saved_experts", ("muon", 5))
         if saved == (self.args.expert_optimizer, self.args.expert_ns_steps):
-            ckpt.load_optimizer(self.optimizer, self.model)
+            self._load_optimizer(ckpt, self.optimizer)
         else:  # --override changed the experts' optimiser: its groups differ from the checkpoint's
             self._carry_optimizer_state(ckpt, *saved)
         for group, (lr, weight_decay) in zip(self.optimizer.param_groups, fresh, strict=True):
@@ -415,7 +452,7 @@ class Trainer:
         its state where its algorithm is unchanged (Muon momentum for muon <-> muon-active or new NS steps);
         a parameter that changed algorithm (the experts, muon <-> adamw) starts its new state from zero."""
         old = self._optimizer(expert_optimizer, expert_ns_steps)
-        ckpt.load_optimizer(old, self.model)
+        self._load_optimizer(ckpt, old)
         algo = {id(p): g["algo"] for g in old.param_groups for p in g["params"]}
         fresh = 0
         for group in self.optimizer.param_groups:
@@ -438,18 +475,49 @@ class Trainer:
         self.model.eval()
         losses = []
         for batch in self.val_batches:
-            batch = batch.to(self.device)
+            split = len(batch) % self.parallel.world_size == 0  # else every rank evaluates the whole batch
+            batch = (self._rows(batch) if split else batch).to(self.device)
             with self.autocast():
-                losses.append(self.model(batch, labels=batch).loss.item())
+                loss = self.model(batch, labels=batch).loss.item()
+            losses.append(self.parallel.mean(loss) if split else loss)
         self.model.train()
         return sum(losses) / len(losses)
+
+    def _rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's equal share of a batch's rows (all of them in one process)."""
+        world = self.parallel.world_size
+        if world == 1:
+            return batch
+        if len(batch) % world:
+            raise ValueError(f"a micro-batch of {len(batch)} sequences does not split over {world} processes")
+        per = len(batch) // world
+        return batch[self.parallel.rank * per : (self.parallel.rank + 1) * per]
 
     def save(self) -> Path:
         state = {"position": self.position, "args": asdict(self.args), "tokenizer": "tokenizer.json",
                  "balancer": self.balancer.state_dict() if self.balancer is not None else {}}  # fmt: skip
-        path = save_checkpoint(self.run, self.step, self.model, self.optimizer, self.config, state,
-                               keep_last=self.args.keep_last)  # fmt: skip
+        if not self.parallel.distributed:
+            path = save_checkpoint(self.run, self.step, self.model, self.optimizer, self.config, state,
+                                   keep_last=self.args.keep_last)  # fmt: skip
+        else:
+            path = self._save_gathered(state)
         self.saved_step = self.step
+        return path
+
+    def _save_gathered(self, state: dict[str, Any]) -> Path:
+        """Every rank sends its part, rank 0 writes the single-process checkpoint; the others wait for it."""
+        from k3.train.checkpoint import write_checkpoint
+        from k3.train.resharding import full_state, layout
+
+        a = self.args
+        model_tensors, opt_tensors, opt_meta = full_state(self.pm, self.optimizer, self.config, a.expert_optimizer,
+                                                          a.expert_ns_steps)  # fmt: skip
+        path = self.run / f"step_{self.step:08d}"
+        if self.parallel.is_main:
+            state = {**state, "parallel": layout(self.pm)}
+            path = write_checkpoint(self.run, self.step, model_tensors, opt_tensors, opt_meta, self.config, state,
+                                    keep_last=a.keep_last)  # fmt: skip
+        self.parallel.barrier()
         return path
 
     def metrics(self) -> list[dict[str, Any]]:
@@ -484,11 +552,17 @@ class Trainer:
         tokens_per_step = a.batch_size * a.seq_len * a.grad_accum
         self.model.train()
         board = self._tensorboard()
-        bar = tqdm(total=a.steps, initial=self.step, disable=not a.progress, unit="step", dynamic_ncols=True)
+        bar = tqdm(total=a.steps, initial=self.step, disable=not a.progress or not self.parallel.is_main, unit="step",
+                   dynamic_ncols=True)  # fmt: skip
         last: dict[str, Any] = {}
         try:
             while self.step < a.steps:
                 record = self._step(tokens_per_step)
+                if not self.parallel.is_main:  # rank 0 keeps the run's log; the others note their steps
+                    self.log(json.dumps(record))
+                    if self.step % a.ckpt_every == 0 or self.step == a.steps:
+                        self.save()
+                    continue
                 append_line(self.run / "metrics.jsonl", json.dumps(record))
                 if board is not None:
                     for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s"):
@@ -518,13 +592,16 @@ class Trainer:
         for _ in range(a.grad_accum):
             batch = self.batches.batch(self.step, self.position).to(self.device)
             self.position += batch.shape[0]
+            batch = self._rows(batch)
             with self.autocast():
-                out = self.model(batch, labels=batch)
+                out = self.pm.forward(batch, labels=batch)
             (out.loss / a.grad_accum).backward()
             loss_sum += out.loss.item()
             if self.balancer is not None:
                 self.balancer.observe(out.routing)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.clip).item()
+        sync_expert_grads(self.pm)
+        grad_norm = clip_grad_norm(self.pm, a.clip)
+        loss_sum = self.parallel.mean(loss_sum)
         maxvio = None
         if self.balancer is not None:
             maxvio = self.balancer.update()  # from this step's routing, applied from the next step
