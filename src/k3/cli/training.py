@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,15 +31,13 @@ def _train_args(args: argparse.Namespace, **overrides):
     return TrainArgs(**{**values, **overrides})
 
 
-def _rerun_command(args: argparse.Namespace, resume: bool, **changes) -> str:
-    """The `k3 train`/`k3 quickstart` line that repeats this one (flags that differ from the defaults), with
-    `changes` to its values."""
-    import shlex
-
+def _flags(args: argparse.Namespace, **changes) -> list[str]:
+    """The flags of a `k3 train`/`k3 quickstart` line that differ from the defaults, with `changes` to their
+    values (--resume and --override left out)."""
     from k3.train.trainer import TrainArgs
 
     defaults = vars(_parser().parse_args([args.command, "--out", args.out]))
-    parts = ["k3", args.command]
+    parts = []
     for f in dataclasses.fields(TrainArgs):
         value = changes.get(f.name, getattr(args, f.name))
         if f.name in ("resume", "override") or (f.name != "out" and value == defaults[f.name]):
@@ -49,7 +48,18 @@ def _rerun_command(args: argparse.Namespace, resume: bool, **changes) -> str:
             if value:
                 parts.append("--" + f.name.replace("_", "-"))
         else:
-            parts += ["--" + f.name.replace("_", "-"), shlex.quote(str(value))]
+            parts += ["--" + f.name.replace("_", "-"), str(value)]
+    return parts
+
+
+def _rerun_command(args: argparse.Namespace, resume: bool, **changes) -> str:
+    """The `k3 train`/`k3 quickstart` line that repeats this one (flags that differ from the defaults), with
+    `changes` to its values."""
+    import shlex
+
+    parts = ["k3", args.command, *map(shlex.quote, _flags(args, **changes))]
+    if getattr(args, "nproc", 1) > 1:
+        parts += ["--nproc", str(args.nproc)]
     if resume and args.command == "train":
         parts.append("--resume")
     return " ".join(parts)
@@ -75,7 +85,19 @@ def _interrupted(command: str, args: argparse.Namespace, trainer) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Train (or --resume) a K3 model; checkpoints, metrics.jsonl and tokenizer.json go to --out."""
+    """Train (or --resume) a K3 model; checkpoints, metrics.jsonl and tokenizer.json go to --out. With --nproc N
+    (outside torchrun) the same command runs on N processes through torchrun (k3.train.distributed)."""
+    from k3.train.distributed import launch, launched_by_torchrun
+
+    if getattr(args, "nproc", 1) != 1 and not launched_by_torchrun():
+        try:
+            _train_args(args)  # a mistake is one line here, not one per rank
+            argv = [*_flags(args), *(["--resume"] if args.resume else []), *(["--override"] if args.override else [])]
+            return launch(args.nproc, argv)
+        except RUN_ERRORS as e:
+            return _run_error("train", e)
+    if launched_by_torchrun():
+        return _train_rank(args)
     from k3.train.trainer import Trainer
 
     trainer = None
@@ -86,6 +108,45 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _interrupted("train", args, trainer)
     except RUN_ERRORS as e:
         return _run_error("train", e)
+    _print_next(args, summary)
+    return 0
+
+
+def _train_rank(args: argparse.Namespace) -> int:
+    """One process of a torchrun launch: rank 0 prints as `k3 train` does; every rank logs to its own file in
+    <out>/logs/; a rank whose peer died says so and exits 1 (torchrun then stops the rest and reports)."""
+    from k3.train.distributed import PeerFailure, RankLog, init_parallel, shutdown
+    from k3.train.trainer import Trainer
+
+    trainer, log, rank = None, None, os.environ.get("RANK", "?")
+    try:
+        parallel = init_parallel(args.dp, args.ep)
+        args.nproc = parallel.world_size  # for the commands suggested (a --nproc here would confuse torchrun)
+        log = RankLog(parallel.rank)
+        trainer = Trainer(_train_args(args), log=log, parallel=parallel)
+        summary = trainer.train()
+    except KeyboardInterrupt:
+        return _interrupted("train", args, trainer) if rank == "0" else EXIT_INTERRUPTED
+    except PeerFailure as e:
+        saved = None if trainer is None else trainer.saved_step
+        where = "before the first checkpoint" if saved is None else f"the last checkpoint is step {saved}"
+        message = f"k3 train (rank {rank}): stopping: {e}; {where}; resume with: {_rerun_command(args, resume=True)}"
+        print(message, file=sys.stderr, flush=True)
+        if log is not None:
+            log(message)
+        return 1
+    except RUN_ERRORS as e:
+        return _run_error(f"train (rank {rank})", e)
+    finally:
+        if log is not None:
+            log.close()
+        shutdown()
+    if rank == "0":
+        _print_next(args, summary)
+    return 0
+
+
+def _print_next(args: argparse.Namespace, summary) -> None:
     print(json.dumps({k: v for k, v in summary.items() if k != "maxvio"}))
     import shlex
 
@@ -94,7 +155,6 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"  k3 plot {out}    # loss.png and maxvio.png in the run folder\n"
           f"  {_rerun_command(args, resume=True, steps=2 * args.steps)}    # train twice as long\n"
           f"  k3 export --ckpt {out} --out {model}    # a model folder for k3, vLLM or SGLang")  # fmt: skip
-    return 0
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -188,6 +248,7 @@ TRAIN_CHOICES = {
     "schedule": ["cosine", "wsd"],
     "balancer": ["quantile", "fixed", "none"],
     "expert_optimizer": ["muon", "muon-active", "adamw"],
+    "dp": ["ddp", "fsdp"],
 }
 
 
