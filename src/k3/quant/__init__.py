@@ -1,4 +1,5 @@
-"""Quantisation: OCP microscaling (MX) codecs and the MXFP4-packed routed experts of the release."""
+"""Quantisation: OCP microscaling (MX) codecs, the MXFP4-packed routed experts of the release, and
+quantisation-aware training of the routed experts (MXFP4 weights, MXFP8 inputs)."""
 
 from k3.quant.mx import (
     BLOCK_SIZE,
@@ -22,6 +23,7 @@ from k3.quant.packed_experts import (
     routed_expert_numel,
     unpack_experts,
 )
+from k3.quant.qat import fake_quantize, fake_quantize_ste, set_expert_quantization
 
 __all__ = [
     "BLOCK_SIZE",
@@ -34,12 +36,15 @@ __all__ = [
     "allocate_packed_experts",
     "check_packed_mxfp4",
     "dequantize_mx",
+    "fake_quantize",
     "fake_quantize_mx",
+    "fake_quantize_ste",
     "pack_experts",
     "pack_mxfp4",
     "quantize_mx",
     "routed_expert_bytes",
     "routed_expert_numel",
+    "set_expert_quantization",
     "unpack_experts",
     "unpack_mxfp4",
 ]
