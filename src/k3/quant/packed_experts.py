@@ -3,7 +3,7 @@
 `pack_experts(model)` replaces every routed expert's `w1`/`w2`/`w3` (bias-free nn.Linear) with an
 `MXFP4Linear` that holds the release's two uint8 buffers, so the state_dict keys become exactly
 `...block_sparse_moe.experts.{e}.w1.weight_packed` and `.weight_scale`. Each call dequantises the expert's
-weight (`.weight` is a property), which is what LatentMoE.dispatch reads, unchanged: resident bytes per
+weight (`.weight` is a property), which is what LatentMoE.experts_forward reads: resident bytes per
 weight drop from 4·out·in (fp32) to out·in/2 + out·in/32, 128/17 ≈ 7.5× less.
 
 Packed experts are inference-only: their weights are buffers, not parameters, and a forward in training
