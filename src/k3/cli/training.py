@@ -89,6 +89,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     (outside torchrun) the same command runs on N processes through torchrun (k3.train.distributed)."""
     from k3.train.distributed import launch, launched_by_torchrun
 
+    if PRESETS[args.preset].get("vision_config") is not None:
+        return _train_vision(args)
     if getattr(args, "nproc", 1) != 1 and not launched_by_torchrun():
         try:
             _train_args(args)  # a mistake is one line here, not one per rank
@@ -109,6 +111,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     except RUN_ERRORS as e:
         return _run_error("train", e)
     _print_next(args, summary)
+    return 0
+
+
+def _train_vision(args: argparse.Namespace) -> int:
+    """A vision preset (small-vl): the tower, projector and LM trained from scratch on generated images
+    (k3.train.vision_trainer); one process."""
+    import shlex
+
+    from k3.train.vision_trainer import train_vision
+
+    try:
+        if getattr(args, "nproc", 1) != 1:
+            raise ValueError(f"--preset {args.preset} trains in one process; drop --nproc")
+        summary = train_vision(_train_args(args))
+    except RUN_ERRORS as e:
+        return _run_error("train", e)
+    print(json.dumps({k: summary[k] for k in ("step", "loss", "val_loss", "seconds")}))
+    print(f"\nnext:\n  k3 generate --model {shlex.quote(args.out)} --image IMAGE.png 'How many shapes are there?'")
     return 0
 
 
