@@ -39,6 +39,10 @@ def _generate(args: argparse.Namespace, mid_line: list[bool]) -> int:
 
     try:
         prompt = _read_prompt(args.prompt)
+        if getattr(args, "image", None):
+            from k3.cli.image_generation import generate_with_images
+
+            return generate_with_images(args, prompt)
         if args.n < 1:
             raise ValueError(f"-n {args.n}: the number of completions is at least 1")
         device = _device(args.device)

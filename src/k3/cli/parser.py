@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=None,
                      help="the context in tokens, prompt + output (default: max_position_embeddings)")  # fmt: skip
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    gen.add_argument("--image", action="append", metavar="FILE",
+                     help="an image before the prompt, for a vision model (repeatable; docs/vision.md)")  # fmt: skip
     gen.add_argument("--verbose", action="store_true", help="print the page pool's layout and capacity to stderr")
     size = gen.add_mutually_exclusive_group()
     size.add_argument("--memory-budget", type=float, default=None, help="MiB for the engine's page pool (256)")
