@@ -1,0 +1,50 @@
+"""`k3 train --preset small-vl` and `k3 generate --image`, end to end on a two-step run."""
+
+import json
+
+import pytest
+from PIL import Image
+
+from k3.cli import main
+from k3.data.images import example
+
+
+@pytest.fixture(scope="module")
+def vl_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vl") / "run"
+    argv = ["train", "--preset", "small-vl", "--steps", "2", "--batch-size", "2", "--eval-batches", "1",
+            "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    return out
+
+
+def test_train_writes_a_loadable_vision_run(vl_run, capsys):
+    records = [json.loads(line) for line in (vl_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and "val_loss" in records[-1]
+    meta = json.loads(next(vl_run.glob("step_*/meta.json")).read_text())
+    assert meta["config"]["vision_config"]["vt_num_hidden_layers"] == 4
+    assert main(["train", "--preset", "small-vl", "--steps", "2", "--out", str(vl_run), "--no-progress"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_generate_answers_about_an_image(vl_run, tmp_path, capsys):
+    path = tmp_path / "shapes.png"
+    example("eval", 0).image.save(path)
+    code = main(["generate", "--model", str(vl_run), "--image", str(path), "--temperature", "0", "--max-tokens", "3",
+                 "How many shapes are there?"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0 and captured.out.startswith("How many shapes are there?")
+    assert "1 image(s)" in captured.err
+
+
+def test_generate_refuses_bad_images_and_text_models(vl_run, tmp_path, capsys):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    assert main(["generate", "--model", str(vl_run), "--image", str(bad), "hi"]) == 2
+    assert "bad.png is not an image Pillow can read" in capsys.readouterr().err
+    cmyk16 = tmp_path / "deep.png"
+    Image.new("I;16", (28, 28)).save(cmyk16)
+    assert main(["generate", "--model", str(vl_run), "--image", str(cmyk16), "hi"]) == 2
+    assert "pixel mode 'I;16'" in capsys.readouterr().err
+    assert main(["generate", "--model", str(vl_run), "--image", str(cmyk16), "--stream", "hi"]) == 2
+    assert "--stream" in capsys.readouterr().err
