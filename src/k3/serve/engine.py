@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.model.model import K3Model
+from k3.serve.images import ImageStore
 from k3.serve.layout import PageLayout
 from k3.serve.model_runner import ModelRunner, StepOutput
 from k3.serve.plan import StepPlan, VerifyRow
@@ -83,6 +84,9 @@ class LLMEngine:
             self.cache = PrefixCache(self.pool, block, block * config.checkpoint_interval_units)
         self.scheduler = Scheduler(config.scheduler, self.pool, self.cache)
         self.runner = ModelRunner(model, self.pool, config.spec_rollback)
+        # images: their tokens carry content-keyed ids above the vocabulary (k3.serve.images)
+        self.images = ImageStore(model) if model.config.vision_config is not None else None
+        self.runner.images = self.images
         self.seqs: dict[str, Sequence] = {}  # every request not yet finished or aborted, and its state
         self._ids = itertools.count()
         self.eos_id = getattr(tokenizer, "eos_id", None)
@@ -113,8 +117,11 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if max(ids, default=0) >= self.model.config.vocab_size:
-            raise ValueError(f"token id {max(ids)} is outside the vocabulary ({self.model.config.vocab_size})")
+        if max(ids, default=0) >= self.model.config.vocab_size and (self.images is None or self.draft is not None):
+            why = "" if self.images is None else " (image token ids: speculative decoding takes text prompts only)"
+            raise ValueError(f"token id {max(ids)} is outside the vocabulary ({self.model.config.vocab_size}){why}")
+        if self.images is not None:
+            self.images.check(ids)
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

@@ -36,6 +36,7 @@ class ModelRunner:
         self.model, self.pool, self.rollback_mode = model.eval(), pool, rollback
         self.config = model.config
         self.device = pool.storage.device
+        self.images = None  # the engine's k3.serve.images.ImageStore, for a vision model
 
     def reset_state(self, state_pages: list[int]) -> None:
         """Zero KDA state pages: a piece starting at token 0 starts from S = 0 and empty conv tails."""
@@ -61,8 +62,11 @@ class ModelRunner:
         batch = PackedBatch(self.pool, self.config, pieces, self.rollback_mode)
         # each MLA layer takes the model's configured path; the default, "auto", picks per group
         # (latent-space attention for decodes, per-head keys and values for long prefill chunks)
+        token_ids, image_embeds = batch.token_ids, None
+        if self.images is not None:  # image token ids -> the placeholder and its stored embedding
+            token_ids, image_embeds = self.images.resolve(token_ids)
         if feature_blocks is None:
-            logits = self.model(batch.token_ids, cache=batch, logits_at=batch.logits_at).logits[0]
+            logits = self.model(token_ids, cache=batch, logits_at=batch.logits_at, image_embeds=image_embeds).logits[0]
             return StepOutput(logits, None, batch)
         with block_summaries(self.model) as capture:
             logits = self.model(batch.token_ids, cache=batch, logits_at=batch.logits_at).logits[0]
