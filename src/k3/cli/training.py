@@ -135,10 +135,11 @@ def _train_vision(args: argparse.Namespace) -> int:
 def _train_rank(args: argparse.Namespace) -> int:
     """One process of a torchrun launch: rank 0 prints as `k3 train` does; every rank logs to its own file in
     <out>/logs/; a rank whose peer died says so and exits 1 (torchrun then stops the rest and reports)."""
-    from k3.train.distributed import PeerFailure, RankLog, init_parallel, shutdown
+    from k3.train.distributed import PeerFailure, RankLog, Stopped, init_parallel, shutdown, stop_on_sigterm
     from k3.train.trainer import Trainer
 
     trainer, log, rank = None, None, os.environ.get("RANK", "?")
+    stop_on_sigterm()
     try:
         parallel = init_parallel(args.dp, args.ep)
         args.nproc = parallel.world_size  # for the commands suggested (a --nproc here would confuse torchrun)
@@ -147,7 +148,7 @@ def _train_rank(args: argparse.Namespace) -> int:
         summary = trainer.train()
     except KeyboardInterrupt:
         return _interrupted("train", args, trainer) if rank == "0" else EXIT_INTERRUPTED
-    except PeerFailure as e:
+    except (PeerFailure, Stopped) as e:
         saved = None if trainer is None else trainer.saved_step
         where = "before the first checkpoint" if saved is None else f"the last checkpoint is step {saved}"
         message = f"k3 train (rank {rank}): stopping: {e}; {where}; resume with: {_rerun_command(args, resume=True)}"

@@ -12,6 +12,7 @@ so a rank whose peer died raises instead of waiting forever.
 """
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 TIMEOUT_ENV = "K3_DIST_TIMEOUT_S"
+KILL_ENV = "K3_TEST_KILL"  # "RANK:POINT:STEP": that rank SIGKILLs itself there (fault tests; see kill_point)
 DEFAULT_TIMEOUT_S = 600
 DP_MODES = ("ddp", "fsdp")
 
@@ -82,6 +84,25 @@ def collective(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except (RuntimeError, ConnectionError) as e:  # gloo and NCCL report a lost peer as RuntimeError subclasses
         raise PeerFailure(f"a collective across ranks failed: another rank stopped or is unreachable ({e})") from e
+
+
+def kill_point(rank: int, point: str, step: int) -> None:
+    """For the fault tests: with K3_TEST_KILL=RANK:POINT:STEP in the environment, that rank dies by SIGKILL when
+    it reaches POINT ("step": after the backward of step STEP, before the optimiser; "checkpoint": at the start
+    of the checkpoint of step STEP, before it sends its part), as a crashed machine would."""
+    if os.environ.get(KILL_ENV) == f"{rank}:{point}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Stopped(Exception):
+    """SIGTERM: torchrun stops the other ranks when one failed (or the job is cancelled)."""
+
+
+def stop_on_sigterm() -> None:
+    def handler(signum, frame):
+        raise Stopped("stopped by SIGTERM (torchrun ends every rank when one has failed)")
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def launched_by_torchrun() -> bool:

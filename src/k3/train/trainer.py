@@ -33,7 +33,7 @@ from k3.train.balance import FixedStepBalancer, QuantileBalancer
 from k3.train.checkpoint import CheckpointError, config_diff, load_checkpoint, save_checkpoint, step_dirs
 from k3.train.corpus import domain_spec, fingerprint, load_corpus
 from k3.train.data import PackedSequences, cached_pack
-from k3.train.distributed import DP_MODES, Parallel
+from k3.train.distributed import DP_MODES, Parallel, kill_point
 from k3.train.files import (
     append_line,
     atomic_write,
@@ -510,6 +510,7 @@ class Trainer:
         from k3.train.resharding import full_state, layout
 
         a = self.args
+        kill_point(self.parallel.rank, "checkpoint", self.step)
         model_tensors, opt_tensors, opt_meta = full_state(self.pm, self.optimizer, self.config, a.expert_optimizer,
                                                           a.expert_ns_steps)  # fmt: skip
         path = self.run / f"step_{self.step:08d}"
@@ -599,6 +600,7 @@ class Trainer:
             loss_sum += out.loss.item()
             if self.balancer is not None:
                 self.balancer.observe(out.routing)
+        kill_point(self.parallel.rank, "step", self.step + 1)
         sync_expert_grads(self.pm)
         grad_norm = clip_grad_norm(self.pm, a.clip)
         loss_sum = self.parallel.mean(loss_sum)
