@@ -31,7 +31,8 @@ EXPONENT_RANGE = {torch.float32: (-150, 126), torch.bfloat16: (-135, 126), torch
 
 def wide_range(dtype: torch.dtype, rows: int = 32, blocks: int = 64, seed: int = 0) -> torch.Tensor:
     """(rows, 32·blocks) values whose blocks sit in every binade of `dtype` (subnormals included), with an
-    all-zero block, −0, NaN, ±inf, exact ties of FP4 and E4M3, and saturating values."""
+    all-zero block, −0, NaN (either sign), ±inf, the largest finite value, exact ties of FP4 and E4M3, and
+    saturating values."""
     g = torch.Generator().manual_seed(seed)
     lo, hi = EXPONENT_RANGE[dtype]
     block_exp = torch.randint(lo, hi, (rows, blocks, 1), generator=g).double()
@@ -43,6 +44,8 @@ def wide_range(dtype: torch.dtype, rows: int = 32, blocks: int = 64, seed: int =
     x[1, :8] = torch.tensor([8, -8, 1, 3, 0.5, 7, 2.5, 6])  # the docs' worked example: 0.25, 3.5, 1.25 are ties
     x[2, :4] = torch.tensor([7.9, 1.0625, -1.1875, 0.001953125])  # saturation at amax 7.9; E4M3 ties
     x[3, 40], x[4, 70], x[5, 100] = float("nan"), float("inf"), -float("inf")
+    x[6, 5] = -torch.tensor(float("nan"))  # a NaN with its sign bit set
+    x[7, 0], x[7, 40] = torch.finfo(dtype).max, torch.finfo(dtype).tiny / 4  # the largest finite; a subnormal
     return x
 
 

@@ -13,9 +13,10 @@ dequant(pack(W)) value for value, and the inputs go through the same quantiser i
 `fake_quantize` here is a faster route to exactly `k3.quant.mx.fake_quantize_mx` (tested bitwise on values
 spanning every binade, subnormals, ties, saturation, ±0, NaN and inf): instead of the codec's float64
 encode to codes and decode back, it rounds each value to its element grid in place, in float32 (float64 for
-float64). Every step is exact there: the block scale and the element ulp are powers of two, a value divided
-by them stays inside float32's range, torch.round rounds ties to even, and the element times its scale
-(down to 2^-136 for E4M3 at the smallest scale) is a float32 value, normal or subnormal.
+float64), reading exponents from the bits. Every step is exact there: the block scale and the element ulp
+are powers of two, a value divided by the scale stays inside float32's range, adding 2^(binade + 23 − m)
+rounds to m mantissa bits (ties to even) and subtracting it is exact, and the element times its scale (down
+to 2^-136 for E4M3 at the smallest scale) is a float32 value, normal or subnormal.
 """
 
 from dataclasses import replace
@@ -30,13 +31,8 @@ WEIGHT_FORMAT = FP4_E2M1
 INPUT_FORMAT = FP8_E4M3
 
 
-def _pow2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Exact 2^e for integer e in [-127, 127] (float32: 2^-127 is a subnormal), built from the bits."""
-    if dtype == torch.float64:
-        return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
-    e = e.to(torch.int32)
-    normal = (e + 127).clamp(min=1) << 23
-    return torch.where(e >= -126, normal, 1 << (e + 149).clamp(min=0)).view(torch.float32)
+# float dtype -> (the integer type of its bits, mantissa bits, exponent bias)
+FLOAT_BITS = {torch.float32: (torch.int32, 23, 127), torch.float64: (torch.int64, 52, 1023)}
 
 
 def fake_quantize(x: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
@@ -45,16 +41,21 @@ def fake_quantize(x: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     _check_float(x, "fake_quantize input")
     _check_blocks(x.shape[-1] if x.dim() else 0, f"fake_quantize input of shape {list(x.shape)}")
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    int_type, mantissa, bias = FLOAT_BITS[compute]
     blocks = x.to(compute).unflatten(-1, (-1, BLOCK_SIZE))  # (..., N/32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)  # NaN propagates: one isfinite catches NaN and inf
     finite = torch.isfinite(amax)
-    shared = (torch.frexp(amax).exponent - 1 - fmt.emax).clamp(-E8M0_BIAS, E8M0_BIAS)
-    shared = torch.where((amax > 0) & finite, shared, -E8M0_BIAS)  # all-zero block: the smallest scale
-    a = (blocks * _pow2(-shared, compute)).abs().clamp(max=fmt.max)  # saturate first: max is on the grid
-    m = fmt.mantissa_bits
-    exp = (torch.frexp(a).exponent - 1).clamp(min=fmt.emin)  # the value's binade (subnormals share emin's)
-    q = torch.round(a * _pow2(m - exp, compute)) * _pow2(exp - m, compute)  # nearest grid point, ties to even
-    q = torch.copysign(q, blocks) * _pow2(shared, compute)  # a negative value rounded to zero stays −0
+    # floor(log2 amax) is the exponent field minus the bias; a zero or subnormal amax reads lower than
+    # -127 - emax and is clamped to the smallest scale, which is the codec's rule for both
+    shared = ((amax.view(int_type) >> mantissa) - (bias + fmt.emax)).clamp(-E8M0_BIAS, E8M0_BIAS)
+    inverse = ((bias - shared) << mantissa).view(compute)  # 2^-shared, a normal number for every finite x
+    scale_bits = torch.where(shared > -bias, (shared + bias) << mantissa, 1 << (mantissa - 1))  # 2^-127: subnormal
+    a = (blocks.abs() * inverse).clamp(max=fmt.max)  # exact; saturate first: max is on the grid
+    # Round to the element grid: adding 2^(e + mantissa - m), e the value's binade (subnormals: emin's), leaves
+    # exactly the grid's bits, rounded to nearest, ties to even; subtracting it back is exact.
+    binade = (a.view(int_type) >> mantissa).clamp(min=fmt.emin + bias)
+    magic = ((binade + (mantissa - fmt.mantissa_bits)) << mantissa).view(compute)
+    q = torch.copysign((a + magic) - magic, blocks) * scale_bits.view(compute)  # −0 stays −0
     q = torch.where(finite, q, torch.nan)  # a NaN or ±inf makes its whole block NaN (the codec's NaN scale)
     return q.flatten(-2).to(x.dtype)
 
