@@ -3,7 +3,8 @@
 A K3Model's state_dict already carries the released names under the text-only prefix (`model.*`,
 `lm_head.weight`). A model folder differs from it in three ways, all handled here:
 - the prefix: text-only `model.` / `lm_head.`, or the multimodal release's `language_model.model.` /
-  `language_model.lm_head.`, whose `vision_tower.*` and `mm_projector.*` k3 does not build;
+  `language_model.lm_head.`, whose `vision_tower.*` and `mm_projector.*` are loaded into a model built with
+  the config's vision_config (k3.model.vision), or skipped with text_only;
 - `A_log` padded to 128 values per KDA layer (the first num_heads used, the rest zero);
 - MXFP4-packed routed experts: `experts.{e}.w1|w2|w3.weight_packed` uint8 [out, in/2] and
   `.weight_scale` uint8 [out, in/32] in place of `.weight` [out, in].
@@ -21,14 +22,15 @@ from k3.model.names import RELEASED_A_LOG_SIZE, legacy_key
 from k3.quant.mx import BLOCK_SIZE
 
 PREFIXES = {"model": "", "language_model": "language_model."}
-UNBUILT_PARTS = ("vision_tower.", "mm_projector.")  # multimodal parts k3 does not build (yet)
+UNBUILT_PARTS = ("vision_tower.", "mm_projector.")  # multimodal parts, built only with a vision_config
 EXPERT_WEIGHT = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def release_name(k3_name: str, prefix: str) -> str:
-    """A K3Model state_dict key under the folder prefix `prefix` ("model" or "language_model")."""
-    return PREFIXES[prefix] + k3_name
+    """A K3Model state_dict key under the folder prefix `prefix` ("model" or "language_model"); the vision
+    tower and projector keep their top-level names (`vision_tower.*`, `mm_projector.*`) as in the release."""
+    return k3_name if k3_name.startswith(UNBUILT_PARTS) else PREFIXES[prefix] + k3_name
 
 
 def detect_prefix(names) -> str:
@@ -66,14 +68,15 @@ def plan_load(tensors: dict[str, TensorInfo], expected: dict[str, torch.Size], t
     unknown, wrong = [], []
     halves: dict[str, dict[str, str]] = {}
     for name, info in tensors.items():
-        if name.startswith(UNBUILT_PARTS):
-            plan.skipped.append(name)
+        vision = name.startswith(UNBUILT_PARTS)
+        if vision and (text_only or not any(k.startswith(UNBUILT_PARTS) for k in expected)):
+            plan.skipped.append(name)  # a language model without the tower: text_only, or a config without it
             continue
-        if not name.startswith((head + "model.", head + "lm_head.")):
+        if not vision and not name.startswith((head + "model.", head + "lm_head.")):
             unknown.append(name)
             continue
-        k3_name = legacy_key(name[len(head) :])
-        if k3_name != name[len(head) :]:
+        k3_name = name if vision else legacy_key(name[len(head) :])
+        if not vision and k3_name != name[len(head) :]:
             plan.legacy.append(name)
         for suffix, kind in ((".weight_packed", "packed"), (".weight_scale", "scale")):
             if k3_name.endswith(suffix):

@@ -20,7 +20,7 @@ dense, then packed. The same weights give the same bytes whichever way they come
 """
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -117,6 +117,8 @@ def load_model_folder(
     check_quantization(quantization)
     folder = ModelFolder.open(path)
     config = K3Config.from_hf(folder.config_dict)
+    if text_only and config.vision_config is not None:  # the language model alone: no tower is built
+        config = replace(config, vision_config=None)
     meta_model, expected = _expected_shapes(config, dtype)
     plan = plan_load(folder.tensors, expected, text_only=text_only)  # against the dense shapes, packed or not
     if quantization == "mxfp4":
