@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from PIL import Image
 
 from k3.cli import main
@@ -48,3 +49,27 @@ def test_generate_refuses_bad_images_and_text_models(vl_run, tmp_path, capsys):
     assert "pixel mode 'I;16'" in capsys.readouterr().err
     assert main(["generate", "--model", str(vl_run), "--image", str(cmyk16), "--stream", "hi"]) == 2
     assert "--stream" in capsys.readouterr().err
+
+
+def test_export_writes_the_release_names_and_loads_back(vl_run, tmp_path, capsys):
+    from safetensors import safe_open
+
+    from k3.hub import load_pretrained
+    from k3.hub.load import load_model_folder
+
+    out = tmp_path / "model"
+    assert main(["export", "--ckpt", str(vl_run), "--out", str(out)]) != 0  # a tower needs the multimodal layout
+    assert "--prefix language_model" in capsys.readouterr().err
+    assert main(["export", "--ckpt", str(vl_run), "--out", str(out), "--prefix", "language_model"]) == 0
+    names = set()
+    for shard in out.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            names |= set(f.keys())
+    assert "vision_tower.encoder.blocks.3.wqkv.weight" in names and "mm_projector.proj.2.weight" in names
+    assert "language_model.model.embed_tokens.weight" in names and not any(n.startswith("model.") for n in names)
+    trained = load_pretrained(vl_run).model.state_dict()
+    loaded, plan = load_model_folder(out)
+    assert not plan.skipped and all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+    text, plan = load_model_folder(out, text_only=True)
+    vision_names = [n for n in names if n.startswith(("vision_tower.", "mm_projector."))]
+    assert not hasattr(text, "vision_tower") and sorted(plan.skipped) == sorted(vision_names)
