@@ -200,3 +200,16 @@ def test_k3_distill_command(ckpts, tmp_path, capsys):
     assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
     assert main([*argv[:-2], "--teacher", "code", "--out", str(tmp_path / "y")]) == 2
     assert "write NAME=CKPT" in capsys.readouterr().err
+
+
+def test_domain_evaluation(ckpts):
+    from k3.distill.evaluate import evaluate_domains, held_out_tokens
+    from k3.eval import score_tokens
+
+    (score,) = evaluate_domains(ckpts / "student", ["reasoning-low"], max_tokens=200, tasks=3)
+    tokenizer = K3Tokenizer.load(ckpts / "student" / "tokenizer.json")
+    ids = held_out_tokens("reasoning-low", tokenizer, 200)
+    assert len(ids) == 200 and ids.count(tokenizer.eos_id) >= 3  # several held-out tasks, not one
+    nll, count = score_tokens(load_pretrained(ckpts / "student").model, ids, 256, 4)
+    assert score.tokens == count == 199 and score.val_loss == pytest.approx(nll / count, rel=1e-6)
+    assert score.tasks == 3 and score.accuracy == 0.0  # a random model does not answer sums
