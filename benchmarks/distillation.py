@@ -11,7 +11,8 @@ Phases, each skipped when its folder already holds a finished run (so an interru
     student-general  k3 distill --student BASE --teacher all=teacher-all --steps S
     student-sft      k3 distill --student BASE --objective sft --mix <all five>=1 --steps S
 Then the table: validation loss per domain (nats/token) and task accuracy of the reasoning domains, for
-the base, each teacher and each student, printed as markdown and written to WORK/table.json.
+the base, each teacher and each student, printed as markdown and written to WORK/table.json (each model's
+row is kept in WORK/eval-NAME.json, so `--table-only --only NAME` evaluations can run side by side).
 """
 
 import argparse
@@ -91,10 +92,16 @@ def table(a) -> list[dict]:
               ("student-general", work / "student-general"), ("student-sft", work / "student-sft")]  # fmt: skip
     rows = []
     for name, path in models:
-        t0 = time.perf_counter()
-        scores = evaluate_domains(path, list(DOMAINS), max_tokens=a.eval_tokens, tasks=a.tasks)
-        rows.append({"model": name, **{s.domain: {"val_loss": s.val_loss, "accuracy": s.accuracy} for s in scores}})
-        print(f"{name}: evaluated in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        if a.only and name not in a.only:
+            continue
+        cached = work / f"eval-{name}.json"  # one file per model: evaluations can run as separate processes
+        if not cached.exists():
+            t0 = time.perf_counter()
+            scores = evaluate_domains(path, list(DOMAINS), max_tokens=a.eval_tokens, tasks=a.tasks)
+            row = {"model": name, **{s.domain: {"val_loss": s.val_loss, "accuracy": s.accuracy} for s in scores}}
+            cached.write_text(json.dumps({**row, "eval_s": time.perf_counter() - t0}))
+        rows.append(json.loads(cached.read_text()))
+        print(f"{name}: evaluated in {rows[-1]['eval_s']:.0f} s", file=sys.stderr)
     (work / "table.json").write_text(json.dumps(rows, indent=1))
     return rows
 
@@ -121,6 +128,7 @@ def main() -> None:
     p.add_argument("--tasks", type=int, default=16, help="held-out tasks per reasoning domain")
     p.add_argument("--parallel", type=int, default=1, help="runs at once")
     p.add_argument("--table-only", action="store_true", help="evaluate the runs that exist; train nothing")
+    p.add_argument("--only", nargs="*", help="evaluate only these models (base, teacher-DOMAIN, student-...)")
     a = p.parse_args()
     Path(a.work).mkdir(parents=True, exist_ok=True)
     if not a.table_only:
