@@ -164,7 +164,7 @@ class Distiller:
         self.model.train()
         tokenizer_bytes = tokenizer_path.read_bytes()
         self.tokenizer = K3Tokenizer.load(tokenizer_path)
-        specs = args.teachers()
+        specs = args.teachers() if args.objective == "reverse-kl" else []  # SFT reads no teacher
         self.teachers = [load_teacher(s, tokenizer_bytes, self.config.vocab_size, device()) for s in specs]
         self.owner = route(specs)
         self.prompts = {d: DomainPrompts(d, load_corpus(d, log=log)[0], self.tokenizer, args.prompt_tokens,
