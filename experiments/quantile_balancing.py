@@ -15,7 +15,7 @@ step, averaged over the MoE layers, and the validation loss at the end.
 
     python experiments/quantile_balancing.py            # 3 seeds x 300 steps of 4096 tokens; 3 x 120 training steps
     python experiments/quantile_balancing.py --quick    # 1 seed x 60 steps of 2048 tokens; 3 x 6 training steps
-    python experiments/quantile_balancing.py --seeds 1 --train-steps 40    # the reduced run docs/evidence.md shows
+    python experiments/quantile_balancing.py --seeds 1 --steps 120 --train-steps 30    # docs/evidence.md's run
 """
 
 import sys
@@ -66,12 +66,14 @@ def synthetic_maxvio(rule: str, seed: int, steps: int, tokens: int, experts: int
 def main() -> None:
     p = parser(NAME, __doc__)
     p.add_argument("--seeds", type=int, default=None, help="seeds of the synthetic part (default 3; 1 with --quick)")
+    p.add_argument("--steps", type=int, default=None, help="steps of the synthetic part (default 300; 60 quick)")
     p.add_argument("--train-steps", type=int, default=None, help="steps of each training run (default 120; 6 quick)")
     args = p.parse_args()
     out = out_dir(NAME, args)
     store = Store(out)
     seeds, steps, tokens = ([0], 60, 2048) if args.quick else ([0, 1, 2], 300, 4096)
     seeds = list(range(args.seeds)) if args.seeds else seeds
+    steps = args.steps or steps
     for rule in RULES:
         for seed in seeds:
             key = f"synthetic/{rule}/{seed}"
