@@ -101,12 +101,24 @@ def step_losses(draft_logits: torch.Tensor, logp: torch.Tensor) -> tuple[torch.T
     return kl, -alpha.log().mean(0)
 
 
+def walk_tokens_per_step(runs: torch.Tensor) -> float:
+    """runs (n_seq, S): accepted proposals from each start position of each continuation -> tokens per verify
+    step as the engine walks it (a step from t emits runs[t] + 1 tokens and the next starts after them).
+    The mean over every start position would overweight the easy stretches the engine jumps over."""
+    steps = tokens = 0
+    for row in runs.tolist():
+        t = 0
+        while t < len(row):
+            steps, tokens, t = steps + 1, tokens + row[t] + 1, t + row[t] + 1
+    return tokens / max(1, steps)
+
+
 @torch.no_grad()
 def evaluate(big: K3Model, draft: DraftModel, data: torch.Tensor, prompt_tokens: int, batch: int = 8) -> dict:
-    """Per draft position: greedy acceptance given the earlier ones accepted, and mean α; mean tokens a
-    verify step emits, greedy and expected under sampling (temperature 1), over every start position."""
+    """Per draft position: greedy acceptance given the earlier ones accepted, and mean α; tokens a verify step
+    emits, greedy (walked as the engine does) and expected under sampling (temperature 1, per position)."""
     k = draft.num_speculative_tokens
-    match_all, alpha_all = [], []
+    match_all, alpha_all, runs = [], [], []
     for i in range(0, len(data), batch):
         tokens = data[i : i + batch]
         summaries, logp = big_targets(big, draft, tokens)
@@ -116,11 +128,12 @@ def evaluate(big: K3Model, draft: DraftModel, data: torch.Tensor, prompt_tokens:
         q_logits = draft.unroll(toks, draft.features(feats))
         # the big model's token at t+2+j is argmax p there (greedy continuations): compare with argmax q
         match_all.append(q_logits.argmax(-1) == lp.argmax(-1))
+        runs.append(torch.cumprod(match_all[-1].long(), 1).sum(1).view(len(tokens), -1))
         alpha_all.append(torch.minimum(lp.exp(), torch.softmax(q_logits.float(), -1)).sum(-1))
     match, alpha = torch.cat(match_all).double(), torch.cat(alpha_all).double()
     reached = torch.cumprod(torch.cat([torch.ones_like(match[:, :1]), match[:, :-1]], 1), 1)
     accepted_at = ((match * reached).sum(0) / reached.sum(0).clamp_min(1)).tolist()
-    greedy_len = torch.cumprod(match, 1).sum(1).mean().item() + 1
+    greedy_len = walk_tokens_per_step(torch.cat(runs))
     sampled_len = torch.cumprod(alpha, 1).sum(1).mean().item() + 1
     return {"tokens_per_step_greedy": greedy_len, "tokens_per_step_sampled": sampled_len,
             "greedy_acceptance_at": accepted_at, "alpha_at": alpha.mean(0).tolist(), "rows": len(match)}  # fmt: skip
