@@ -29,6 +29,7 @@ from k3.model.model import K3Model
 MAX_IMAGE_TOKENS = 1 << 16  # image tokens one image may have (the id space of one content key)
 KEY_BITS = 40
 DEFAULT_CAPACITY = 64  # images kept encoded
+DEFAULT_MAX_IMAGE_TOKENS = 256  # an encoded image is resized to at most this many tokens (k3.data.image_input)
 
 
 class ImageStore:
@@ -67,6 +68,13 @@ class ImageStore:
                     self._embeds.popitem(last=False)
         base = self.vocab_size + key * MAX_IMAGE_TOKENS
         return list(range(base, base + embeds.shape[0]))
+
+    def add_encoded(self, data: bytes, max_tokens: int = DEFAULT_MAX_IMAGE_TOKENS) -> list[int]:
+        """An encoded image (PNG, JPEG, ...) checked and resized by k3.data.image_input (an ImageError, a
+        ValueError, says what is wrong with it) -> its image token ids."""
+        from k3.data.image_input import image_to_tensor, load_image
+
+        return self.add(image_to_tensor(load_image(data), self.model.config.vision_config, max_tokens))
 
     def check(self, token_ids: list[int]) -> None:
         """A ValueError unless every id above the vocabulary names a stored image's token (add_request's check:
