@@ -15,6 +15,7 @@ from k3.demo.server import routing_app
 from k3.server.chat_stream import ChatChoice
 from k3.server.errors import APIError, error_body, install_error_handlers
 from k3.server.guard import Guard, ServerState
+from k3.server.images import image_spans, splice_images, take_images
 from k3.server.limits import ServerLimits
 from k3.server.logprobs import ChatLogprobs, CompletionLogprobs, TokenText
 from k3.server.metrics import ServerMetrics
@@ -184,9 +185,12 @@ def _routes(app: FastAPI, srv: Server) -> None:
         if srv.chat is None:
             raise APIError(400, srv.chat_error, param="messages", code="no_chat_format")
         options = body.chat_template_kwargs or ChatTemplateKwargs()
+        messages, images, sentinel = take_images([m.model_dump(exclude_none=True) for m in body.messages])
+        if images and getattr(srv.engine.engine, "images", None) is None:
+            raise APIError(400, "image content needs a vision model; this one has no vision tower", param=images[0][0])
         try:
             rendered = srv.chat.render(
-                [m.model_dump(exclude_none=True) for m in body.messages],
+                messages,
                 [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
                 thinking=options.thinking,
                 thinking_effort=options.thinking_effort or body.reasoning_effort,
@@ -199,6 +203,9 @@ def _routes(app: FastAPI, srv: Server) -> None:
         if max(ids, default=0) >= srv.vocab_size:
             raise APIError(400, f"the chat tokens' ids reach {max(ids)}; the model has {srv.vocab_size} tokens",
                            param="messages", code="no_chat_format")  # fmt: skip
+        if images:  # the tower runs off the event loop; k3.server.images
+            spans = await asyncio.to_thread(image_spans, srv.engine.engine.images, srv.tokenizer, images)
+            ids = splice_images(srv.chat, rendered.segments, spans, sentinel)
         max_tokens = chat_max_tokens(body, len(ids), srv.limits)
         want_logprobs = chat_logprobs(body)
         end = (srv.chat.token_ids.end_of_msg,)

@@ -7,9 +7,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from k3.data.image_input import MAX_IMAGE_BYTES
 from k3.serve.sampling import MAX_LOGPROBS
 
 SEED_LIMIT = 2**63  # SamplingParams' seed range: [0, 2**63)
+MAX_IMAGE_URL_CHARS = 4 * (MAX_IMAGE_BYTES // 3) + 64  # a data URL of an image of at most MAX_IMAGE_BYTES
 
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
@@ -61,6 +63,17 @@ class ContentPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    # a base64 data URL (k3.server.images); the body limit (--max-body-bytes) bounds it first
+    url: Annotated[str, Field(max_length=MAX_IMAGE_URL_CHARS)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Body):
     name: str
     arguments: str | dict[str, Any] = "{}"
@@ -74,7 +87,7 @@ class ToolCall(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
