@@ -28,6 +28,19 @@ class SpecStats:
             self.proposed_at[j] += 1
             self.accepted_at[j] += j < num_accepted
 
+    def __add__(self, other: "SpecStats") -> "SpecStats":
+        """The counters of two runs together."""
+        n = max(len(self.proposed_at), len(other.proposed_at))
+
+        def pad(xs: list[int]) -> list[int]:
+            return xs + [0] * (n - len(xs))
+
+        return SpecStats(
+            self.verify_steps + other.verify_steps, self.proposed + other.proposed, self.accepted + other.accepted,
+            [a + b for a, b in zip(pad(self.proposed_at), pad(other.proposed_at), strict=True)],
+            [a + b for a, b in zip(pad(self.accepted_at), pad(other.accepted_at), strict=True)],
+        )  # fmt: skip
+
     @property
     def tokens_per_step(self) -> float:
         """Mean tokens a verify step emits (accepted proposals + the big model's own token)."""
