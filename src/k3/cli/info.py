@@ -54,7 +54,21 @@ def cmd_params(args: argparse.Namespace) -> int:
         print(f"k3 params: {e}", file=sys.stderr)
         return 2
     report = param_report(config, context=args.context)
-    print(json.dumps(report, indent=2) if args.json else format_report(report, source))
+    memory = None
+    if getattr(args, "ep", None) is not None or getattr(args, "dp", None) is not None:
+        from k3.train.rank_memory import format_rank_memory, rank_memory
+
+        ep = args.ep or 1
+        try:
+            memory = rank_memory(config, ep, args.dp or ep, args.micro_batch_tokens)
+        except ValueError as e:
+            print(f"k3 params: {e}", file=sys.stderr)
+            return 2
+        report["rank_memory"] = memory
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report, source) + ("" if memory is None else "\n\n" + format_rank_memory(memory)))
     return 0
 
 

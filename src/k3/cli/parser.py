@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"tokens each token attends to in MLA, for FLOPs (default {DEFAULT_CONTEXT})",
     )
     params.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    params.add_argument("--ep", type=int, help="also the training memory per rank at this expert parallelism")
+    params.add_argument("--dp", type=int, help="with --ep: FSDP ranks (a multiple of --ep; default: --ep)")
+    params.add_argument("--micro-batch-tokens", type=int, default=8192,
+                        help="with --ep: tokens per rank per micro-batch (default: %(default)s)")  # fmt: skip
     params.set_defaults(func=cmd_params)
 
     train = sub.add_parser("train", help="train a K3 model (default: the small preset on the stdlib source)")
