@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 import torch
-from common import Store, base_run, init_checkpoint, out_dir, parser, save_figure, train, write_tables
+from common import Store, base_run, init_checkpoint, out_dir, parser, save_figure, train, vocab_size, write_tables
 
 from k3.config import K3Config
 from k3.hub import load_pretrained
@@ -57,7 +57,7 @@ def main() -> None:
     batch = args.batch_size or (2 if args.quick else 8)
     seq_len = 64 if args.quick else 256
     base = base_run(args.quick)
-    vocab = 8192
+    vocab = vocab_size(base)
     runs = {"attnres": ("attnres", steps), "standard": ("standard", steps),
             f"standard x{MATCH}": ("standard", round(MATCH * steps))}  # fmt: skip
     val = torch.from_numpy(np.load(base / "val_tokens.npy")[: batch * seq_len].astype(np.int64)).view(batch, seq_len)

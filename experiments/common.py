@@ -97,6 +97,22 @@ def base_run(quick: bool) -> Path:
     return base
 
 
+def same_data(base: Path) -> list[str]:
+    """The flags that make a run read base's data with base's tokenizer (otherwise it would learn and pack
+    its own): its --data, --vocab-size and --val-fraction as base's run.json recorded them."""
+    record = json.loads((base / "run.json").read_text())
+    flags = ["--vocab-size", str(record["flags"]["vocab_size"]), "--val-fraction", str(record["flags"]["val_fraction"])]
+    if record["data"]["path"] is not None:
+        flags += ["--data", record["data"]["path"]]
+    return flags
+
+
+def vocab_size(base: Path) -> int:
+    from k3.train.tokenizer import K3Tokenizer
+
+    return K3Tokenizer.load(base / "tokenizer.json").vocab_size
+
+
 def init_checkpoint(out: Path, config, base: Path, seed: int = 0) -> Path:
     """A step-0 checkpoint of a K3Model(config) seeded with `seed`, with base's tokenizer beside it: what
     `k3 train --init-from` starts a model variant from (the presets have no flag for K3Config's switches)."""
@@ -135,6 +151,7 @@ def train(out: Path, flags: list[str], base: Path, init: Path | None = None) -> 
             (out / name).symlink_to((base / name).resolve())
     resume = ["--resume"] if step_dirs(out) else []
     source = ["--init-from", str(init)] if init is not None else []
+    source += same_data(base)
     argv = ["train", *flags, *source, "--out", str(out), "--override", "--no-progress", *resume]
     print(f"k3 {' '.join(argv)}  (log: {out / 'train.log'})", flush=True)
     with open(out / "train.log", "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):

@@ -22,7 +22,7 @@ import sys
 import time
 
 import torch
-from common import Store, base_run, init_checkpoint, out_dir, parser, save_figure, train, write_tables
+from common import Store, base_run, init_checkpoint, out_dir, parser, save_figure, train, vocab_size, write_tables
 
 from k3.config import K3Config
 from k3.eval_lengths import task_accuracy
@@ -35,8 +35,8 @@ VARIANTS = {"hybrid 3:1": None, "all KDA": (), "all MLA": tuple(range(1, 10))}
 TASKS = ("retrieval", "multihop", "count")
 
 
-def config(variant: str) -> K3Config:
-    return K3Config.from_preset("small", vocab_size=8192, full_attn_layers=VARIANTS[variant])
+def config(variant: str, vocab: int = 8192) -> K3Config:
+    return K3Config.from_preset("small", vocab_size=vocab, full_attn_layers=VARIANTS[variant])
 
 
 @torch.no_grad()
@@ -86,7 +86,7 @@ def main() -> None:
         folder = out / f"train-{variant.replace(' ', '-').replace(':', '')}"
 
         def run(variant=variant, folder=folder) -> dict:
-            init = init_checkpoint(out / f"init-{folder.name[6:]}", config(variant), base, seed=0)
+            init = init_checkpoint(out / f"init-{folder.name[6:]}", config(variant, vocab_size(base)), base, seed=0)
             flags = ["--steps", str(steps), "--batch-size", str(batch), "--seq-len", str(seq_len), "--seed", "0",
                      "--synthetic-ratio", "0.5", "--eval-every", str(steps)]  # fmt: skip
             records = train(folder, flags, base, init)

@@ -1,0 +1,85 @@
+"""experiments/*.py --quick end to end (slow): each writes its table and PNG, its numbers say what the claim
+says where the quick scale can show it, and a rerun reuses the stored results instead of recomputing."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ("quantile_balancing", "bounded_numerics", "attn_res", "hybrid", "nope_extension")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A run folder with a small tokenizer and packed tokens for the experiments' training runs."""
+    root = tmp_path_factory.mktemp("evidence")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(150):
+        body = "".join(f"    total_{j} = compute(values[{j}], {i}) + offset_{i % 7}\n" for j in range(12))
+        (corpus / f"module_{i:03d}.py").write_text(f"def function_{i}(values):\n{body}    return total_0\n")
+    run = root / "base"
+    assert main(["train", "--preset", "tiny", "--steps", "1", "--vocab-size", "400", "--val-fraction", "0.1",
+                 "--seq-len", "64", "--batch-size", "2", "--data", str(corpus), "--out", str(run),
+                 "--no-progress"]) == 0  # fmt: skip
+    return run
+
+
+def run_quick(name: str, out: Path, base: Path) -> dict:
+    env = {**os.environ, "K3_EVIDENCE_BASE": str(base), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--quick", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / f"{name}.png").stat().st_size > 10_000
+    assert (out / "table.md").read_text().count("|") > 20
+    return json.loads((out / "results.json").read_text())
+
+
+def test_quantile_balancing_quick(tmp_path, base):
+    r = run_quick("quantile_balancing", tmp_path, base)
+    step2 = {rule: r[f"synthetic/{rule}/0"]["maxvio"][1] for rule in ("qb", "qb-exact", "fixed", "none", "floor")}
+    assert step2["qb"] < step2["fixed"] / 5 and step2["qb-exact"] < step2["fixed"] / 5  # one update balances
+    assert step2["floor"] < step2["qb"] < step2["none"]
+    assert all(len(r[f"train/{rule}"]["maxvio"]) == 6 for rule in ("qb", "qb-exact", "fixed"))
+
+
+def test_bounded_numerics_quick_and_rerun_reuses_results(tmp_path, base):
+    r = run_quick("bounded_numerics", tmp_path, base)
+    at_bound = r["kda/8192/const-5.0"]
+    assert at_bound["finite"] and at_bound["rel_rms"] < 1e-5 and at_bound["pivoted"] == 0.0
+    assert at_bound["textbook"] > 0.3  # the unpivoted split overflows at the bound already
+    assert r["kda/8192/const-20.0"]["pivoted"] > 0  # past the bound the fast split overflows too
+    assert max(r["situ"]["situ_max"]) <= 100.0 and max(r["situ"]["swiglu_max"]) > 1e6
+    again = run_quick("bounded_numerics", tmp_path, base)
+    assert again == r  # stored results (their timings included) were reused, not recomputed
+
+
+def test_attn_res_quick(tmp_path, base):
+    r = run_quick("attn_res", tmp_path, base)
+    for when in ("init", "trained"):
+        attn, std = r[f"rms/attnres/{when}"]["rms"], r[f"rms/standard/{when}"]["rms"]
+        assert std[-1] / std[0] > 2 * attn[-1] / attn[0]  # the running sum grows with depth; the mixture less
+    assert len(r["train/standard x1.25"]["val"]) >= 1
+
+
+def test_hybrid_quick(tmp_path, base):
+    r = run_quick("hybrid", tmp_path, base)
+    kda = [r[f"decode/all KDA/{n}"]["kda_bytes"] + r[f"decode/all KDA/{n}"]["mla_bytes"] for n in (256, 1024, 2048)]
+    mla = [r[f"decode/all MLA/{n}"]["mla_bytes"] for n in (256, 1024, 2048)]
+    assert kda[0] == kda[1] == kda[2]  # a fixed-size state
+    assert mla[1] == 4 * mla[0] and mla[2] == 8 * mla[0]  # one latent per token per layer
+    assert all(0 <= r[f"eval/{v}/retrieval/128"]["accuracy"] <= 1 for v in ("hybrid 3:1", "all KDA", "all MLA"))
+
+
+def test_nope_extension_quick(tmp_path, base):
+    r = run_quick("nope_extension", tmp_path, base)
+    for name in ("64 only", "64 then 256"):
+        assert [r[f"eval/{name}/{n}"]["windows"] >= 1 for n in (64, 256, 1024)] == [True] * 3
