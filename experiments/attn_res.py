@@ -10,7 +10,7 @@ AttnRes's softmax mixture of block outputs is bounded by the largest of them.
 
     python experiments/attn_res.py                 # S = 200 steps of 8 x 256 tokens
     python experiments/attn_res.py --quick         # S = 6 steps of 2 x 64 tokens
-    python experiments/attn_res.py --steps 60 --batch-size 4    # the reduced run docs/evidence.md shows
+    python experiments/attn_res.py --steps 20 --batch-size 4    # the reduced run docs/evidence.md shows
 """
 
 import sys

@@ -152,6 +152,8 @@ def train(out: Path, flags: list[str], base: Path, init: Path | None = None) -> 
     resume = ["--resume"] if step_dirs(out) else []
     source = ["--init-from", str(init)] if init is not None else []
     source += same_data(base)
+    if "--ckpt-every" not in flags:  # an interrupted experiment resumes from at most 10 steps back
+        source += ["--ckpt-every", "10"]
     argv = ["train", *flags, *source, "--out", str(out), "--override", "--no-progress", *resume]
     print(f"k3 {' '.join(argv)}  (log: {out / 'train.log'})", flush=True)
     with open(out / "train.log", "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
