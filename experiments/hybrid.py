@@ -15,6 +15,7 @@ count), then scored on the held-out examples at the training length and 2x, 4x b
 
     python experiments/hybrid.py                 # S = 200 steps of 8 x 256; eval at 256, 512, 1024; decode to 16K
     python experiments/hybrid.py --quick         # S = 4 steps of 2 x 128; eval at 128; decode to 2K
+    python experiments/hybrid.py --steps 10 --examples 10    # the reduced run docs/evidence.md shows
 """
 
 import statistics
@@ -70,6 +71,7 @@ def decode_cost(variant: str, length: int) -> dict:
 def main() -> None:
     p = parser(NAME, __doc__)
     p.add_argument("--steps", type=int, default=None, help="S, training steps per variant (default 200; 4 quick)")
+    p.add_argument("--examples", type=int, default=None, help="held-out examples per task and length (40; 4 quick)")
     args = p.parse_args()
     out = out_dir(NAME, args)
     store = Store(out)
@@ -80,7 +82,7 @@ def main() -> None:
     steps = args.steps or (4 if args.quick else 200)
     batch, seq_len = (2, 128) if args.quick else (8, 256)
     lengths = [seq_len] if args.quick else [seq_len, 2 * seq_len, 4 * seq_len]
-    examples = 4 if args.quick else 40
+    examples = args.examples or (4 if args.quick else 40)
     base = base_run(args.quick)
     for variant in VARIANTS:
         folder = out / f"train-{variant.replace(' ', '-').replace(':', '')}"
