@@ -1,6 +1,6 @@
 """MXFP4/MXFP8 quantisation-aware training against full precision and post-training quantisation (issue 16).
 
-    python benchmarks/qat.py --init-from RUN          # from a k3 run (the quickstart's): 30 steps each, seed 0
+    python benchmarks/qat.py --init-from RUN          # from a k3 run (the quickstart's): 40 steps of 4x256 each
     python benchmarks/qat.py --quick                  # the tiny preset from scratch on a made-up corpus, seconds
 
 Two `k3 train` runs (k3.train.Trainer) start from the same weights (--init-from, or the same seeded init) and
@@ -113,8 +113,8 @@ def main() -> None:
     p.add_argument("--preset", default="small")
     p.add_argument("--data", help="training text (default: the standard library, as k3 train)")
     p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-4, help="with --init-from (constant); else k3 train's schedule")
     p.add_argument("--eval-batches", type=int, default=8)
