@@ -181,23 +181,23 @@ def test_the_packed_export_computes_the_trained_function_bitwise(tmp_path, monke
 
 def engine_logits(model: K3Model, prompts: list[list[int]]) -> tuple[list[torch.Tensor], list[list[int]], int]:
     """(every lm_head output in order, greedy tokens per prompt, prompt tokens served from the prefix cache):
-    prompts one after another, so later ones hit the cache, with prefill in 16-token chunks."""
+    the first prompt alone, then the others together (prefill chunks of 16 tokens and decodes in one step),
+    so they hit the cache the first one filled."""
     seen: list[torch.Tensor] = []
     hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
     engine = LLMEngine(model, byte_tokenizer(), EngineConfig(num_pages=400, scheduler=SchedulerConfig(
         max_batched_tokens=16)))  # fmt: skip
-    tokens, cached = [], 0
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    for prompt in prompts:
-        engine.add_request(prompt, params)
-        out = []
+    tokens, cached = {}, 0
+    for group in (prompts[:1], prompts[1:]):
+        ids = [engine.add_request(prompt, params) for prompt in group]
+        tokens.update({i: [] for i in ids})
         while engine.has_unfinished():
             for o in engine.step():
-                out += o.new_token_ids
+                tokens[o.request_id] += o.new_token_ids
                 cached = max(cached, o.num_cached_tokens)
-        tokens.append(out)
     hook.remove()
-    return seen, tokens, cached
+    return seen, list(tokens.values()), cached
 
 
 def test_the_engine_serving_packed_experts_computes_the_trained_function_bitwise():
