@@ -109,3 +109,20 @@ def test_a_rank_killed_mid_step_after_resuming_one_process_run_on_two(reference,
     done = _k3(*flags, "--resume")  # and back on one
     assert done.returncode == 0, done.stderr[-3000:]
     _same(_losses(run), want, range(4, 7))
+
+
+def test_launch_mistakes_are_one_line_before_any_process_starts(tmp_path, capsys):
+    from k3.cli import main
+
+    out = tmp_path / "never"
+    cases = [
+        (["--ep", "2"], "add --nproc N"),
+        (["--nproc", "2", "--ep", "4"], "must divide the number of processes"),
+        (["--nproc", "3", "--batch-size", "8"], "multiple of --nproc 3"),
+    ]
+    for flags, message in cases:
+        assert main(["train", "--out", str(out), *flags]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: --dp is ddp or fsdp
+        main(["train", "--out", str(out), "--nproc", "2", "--dp", "zero"])
+    assert not out.exists()

@@ -93,13 +93,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _train_vision(args)
     if getattr(args, "nproc", 1) != 1 and not launched_by_torchrun():
         try:
-            _train_args(args)  # a mistake is one line here, not one per rank
+            _check_launch(args)  # a mistake is one line here, not one per rank
             argv = [*_flags(args), *(["--resume"] if args.resume else []), *(["--override"] if args.override else [])]
             return launch(args.nproc, argv)
         except RUN_ERRORS as e:
             return _run_error("train", e)
     if launched_by_torchrun():
         return _train_rank(args)
+    if getattr(args, "ep", 1) != 1:
+        return _run_error("train", ValueError(f"--ep {args.ep} splits the experts over processes: add --nproc N "
+                                              f"(a multiple of {args.ep}) or run under torchrun"))  # fmt: skip
     from k3.train.trainer import Trainer
 
     trainer = None
@@ -130,6 +133,19 @@ def _train_vision(args: argparse.Namespace) -> int:
     print(json.dumps({k: summary[k] for k in ("step", "loss", "val_loss", "seconds")}))
     print(f"\nnext:\n  k3 generate --model {shlex.quote(args.out)} --image IMAGE.png 'How many shapes are there?'")
     return 0
+
+
+def _check_launch(args: argparse.Namespace) -> None:
+    """What every rank would refuse, checked once before torchrun starts them."""
+    from k3.train.distributed import Parallel
+
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
+    _train_args(args)
+    Parallel(0, args.nproc, args.ep, args.dp)
+    if args.batch_size % args.nproc:
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of --nproc {args.nproc}: each process "
+                         f"takes an equal share of every micro-batch")  # fmt: skip
 
 
 def _train_rank(args: argparse.Namespace) -> int:
