@@ -119,7 +119,11 @@ def init_parallel(dp: str = "ddp", ep: int = 1) -> Parallel:
     Parallel(rank, world, ep, dp)  # checks the values before any rendezvous
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"local rank {local} has no GPU: this machine has {torch.cuda.device_count()}; start at "
+                             f"most one process per GPU (--nproc / --nproc-per-node)")  # fmt: skip
+        torch.cuda.set_device(local)
     if not dist.is_initialized():
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
         dist.init_process_group(backend, timeout=timeout)
