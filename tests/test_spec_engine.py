@@ -141,3 +141,13 @@ def test_prefix_cache_hits_equal_with_and_without_speculation(model):
     assert got == ref
     assert plain.cache.stats.state_hit_tokens > 0 and plain.cache.stats.checkpoints_stored > 0
     assert spec.cache.stats.as_dict() == plain.cache.stats.as_dict()
+
+
+def test_a_stop_token_inside_the_accepted_tokens_ends_the_output_there(model):
+    ref, _ = run(model, PROMPTS, GREEDY)
+    stop = SamplingParams(temperature=0, max_tokens=18, stop_token_ids=(ref[0][5], ref[2][3]))
+    ref_stop, _ = run(model, PROMPTS, stop)
+    assert len(ref_stop[0]) == 6
+    oracle = {tuple(p): r for p, r in zip(PROMPTS, ref, strict=True)}
+    got, engine = run(model, PROMPTS, stop, DraftModel(model.config).double(), oracle)
+    assert got == ref_stop and engine.spec_stats.accepted > 0

@@ -199,7 +199,8 @@ class PrefixCache:
     def commit_latents(self, seq: Sequence) -> None:
         """Register the latent pages of every full unit seq has computed, unless that unit is cached
         already (then seq's copy stays private). Pages of a full unit are never written again."""
-        n_units = seq.num_computed_tokens // self.hash_block_tokens
+        # a verify step may have computed tokens a stop string then cut from the output: only existing ones count
+        n_units = min(seq.num_computed_tokens, seq.num_tokens) // self.hash_block_tokens
         hashes = self._hashes(seq, n_units)
         ppu = self.pages_per_unit
         if len(seq.latent_pages) < n_units * ppu:
