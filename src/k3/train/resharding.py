@@ -59,10 +59,10 @@ def full_state(pm: ParallelModel, optimizer, config, expert_optimizer: str, expe
             if isinstance(value, torch.Tensor):
                 opt_tensors[f"{names[id(p)]}::{key}"] = _full(value)
     expert_names = [n for n, _ in pm.experts]
-    per_rank = len(moe_first_layer_experts(expert_names))
+    per_rank = len({int(EXPERT.fullmatch(n)[2]) for n in expert_names})  # held experts (the same in every layer)
     group0 = pm.parallel.rank < pm.parallel.ep and pm.parallel.ep > 1
     if group0 and not rank0:
-        _send_experts(pm, optimizer, expert_names, algo, model_tensors, opt_tensors)
+        _send_experts(expert_names, algo, model_tensors, opt_tensors)
     if rank0:
         for source in _expert_sources(pm):
             _recv_experts(source, source * per_rank, expert_names, algo, model_tensors, opt_tensors)
@@ -70,7 +70,7 @@ def full_state(pm: ParallelModel, optimizer, config, expert_optimizer: str, expe
         return None, None, None
     with torch.device("meta"):
         full_model = K3Model(config)
-    if expert_ns_steps == 5:
+    if expert_ns_steps == 5:  # build_optimizer's rule: the default NS steps need no experts group of their own
         expert_ns_steps = None
     groups = param_groups(full_model, 0.0, 0.0, expert_optimizer, expert_ns_steps)
     local_groups = optimizer.state_dict()["param_groups"]
@@ -79,17 +79,15 @@ def full_state(pm: ParallelModel, optimizer, config, expert_optimizer: str, expe
         if group["name"] != local["name"]:
             raise RuntimeError(f"optimiser group {local['name']!r} where the full model has {group['name']!r}")
         saved.append({**{k: v for k, v in local.items() if k != "params"}, "params": [n for n, _ in group["params"]]})
-    order = {n: i for i, n in enumerate(model_tensors)}
-    model_tensors = dict(sorted(model_tensors.items(), key=lambda kv: order[kv[0]]))
+    full_names = list(full_model.state_dict())
+    if set(full_names) != set(model_tensors):
+        missing = sorted(set(full_names) - set(model_tensors))[:3]
+        raise RuntimeError(f"the gathered state lacks {missing} or holds names the model does not have")
+    model_tensors = {n: model_tensors[n] for n in full_names}  # the single-process order
     return model_tensors, opt_tensors, {"groups": saved, "scalars": {}}
 
 
-def moe_first_layer_experts(expert_names: list[str]) -> set[int]:
-    """The expert indices held here (they are the same in every MoE layer)."""
-    return {int(EXPERT.fullmatch(n)[2]) for n in expert_names}
-
-
-def _send_experts(pm, optimizer, expert_names, algo, model_tensors, opt_tensors) -> None:
+def _send_experts(expert_names, algo, model_tensors, opt_tensors) -> None:
     """To rank 0: each held expert's weight, a presence flag for its optimiser state, and the state."""
     for name in expert_names:
         collective(dist.send, model_tensors[name].contiguous(), dst=0)
