@@ -35,7 +35,12 @@ def test_generate_answers_about_an_image(vl_run, tmp_path, capsys):
                  "How many shapes are there?"])  # fmt: skip
     captured = capsys.readouterr()
     assert code == 0 and captured.out.startswith("How many shapes are there?")
-    assert "1 image(s)" in captured.err
+    # through the engine: streamed, two images, and the same greedy text as the non-streamed request
+    streamed = ["generate", "--model", str(vl_run), "--image", str(path), "--temperature", "0", "--max-tokens", "3",
+                "--stream", "How many shapes are there?"]  # fmt: skip
+    assert main(streamed) == 0 and capsys.readouterr().out == captured.out
+    two = ["generate", "--model", str(vl_run), "--image", str(path), "--image", str(path), "--max-tokens", "2", "hi"]
+    assert main(two) == 0 and capsys.readouterr().out.startswith("hi")
 
 
 def test_generate_refuses_bad_images_and_text_models(vl_run, tmp_path, capsys):
@@ -47,8 +52,13 @@ def test_generate_refuses_bad_images_and_text_models(vl_run, tmp_path, capsys):
     Image.new("I;16", (28, 28)).save(cmyk16)
     assert main(["generate", "--model", str(vl_run), "--image", str(cmyk16), "hi"]) == 2
     assert "pixel mode 'I;16'" in capsys.readouterr().err
-    assert main(["generate", "--model", str(vl_run), "--image", str(cmyk16), "--stream", "hi"]) == 2
-    assert "--stream" in capsys.readouterr().err
+    text_run = tmp_path / "text"
+    assert main(["init", "--preset", "tiny", "--out", str(text_run)]) == 0
+    capsys.readouterr()
+    good = tmp_path / "good.png"
+    example("eval", 1).image.save(good)
+    assert main(["generate", "--model", str(text_run), "--image", str(good), "hi"]) == 2
+    assert "--image needs a vision model" in capsys.readouterr().err
 
 
 def test_export_writes_the_release_names_and_loads_back(vl_run, tmp_path, capsys):
