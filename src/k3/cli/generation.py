@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from k3.cli.common import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, USER_ERRORS, _device, _fail
+from k3.cli.image_generation import image_prompt, load_images
 from k3.config import K3Config
 
 
@@ -39,10 +40,7 @@ def _generate(args: argparse.Namespace, mid_line: list[bool]) -> int:
 
     try:
         prompt = _read_prompt(args.prompt)
-        if getattr(args, "image", None):
-            from k3.cli.image_generation import generate_with_images
-
-            return generate_with_images(args, prompt)
+        pictures = load_images(getattr(args, "image", None) or [])  # a bad image is refused before the load
         if args.n < 1:
             raise ValueError(f"-n {args.n}: the number of completions is at least 1")
         device = _device(args.device)
@@ -54,6 +52,7 @@ def _generate(args: argparse.Namespace, mid_line: list[bool]) -> int:
         budget = None if args.memory_budget is None else int(args.memory_budget * (1 << 20))
         llm = LLM(args.ckpt, memory_budget=budget, num_pages=args.num_pages, text_only=args.text_only,
                   quantization=args.quantization, device=device)  # fmt: skip
+        request = image_prompt(llm, pictures, prompt) if pictures else prompt  # token ids with the images
         if args.verbose:
             print(llm.engine.describe(), file=sys.stderr)
         if args.quantization == "mxfp4":
@@ -63,12 +62,12 @@ def _generate(args: argparse.Namespace, mid_line: list[bool]) -> int:
                 _completion_header(i, args.n)
                 print(prompt, end="", flush=True)
                 mid_line[0] = True
-                for text in llm.stream(prompt, sp):
+                for text in llm.stream(request, sp):
                     print(text, end="", flush=True)
                 print()
                 mid_line[0] = False
         else:
-            for i, out in enumerate(llm.generate([prompt] * args.n, params)):
+            for i, out in enumerate(llm.generate([request] * args.n, params)):
                 _completion_header(i, args.n)
                 print(prompt + out.text)
     except USER_ERRORS as e:
