@@ -90,3 +90,17 @@ def test_unknown_image_token_ids_are_refused_at_admission(model, tok):
     with pytest.raises(ValueError, match="names no stored image"):
         eng.add_request([1, 2, ids[0] + 1000], SamplingParams(max_tokens=2))
     assert not eng.has_unfinished()
+
+
+def test_the_store_keeps_the_newest_images_and_says_when_one_was_dropped(model):
+    from k3.serve.images import ImageStore
+
+    store = ImageStore(model, capacity=2)
+    first = store.add(image(10))
+    assert store.add(image(10)) == first  # the same content: the same ids, encoded once
+    store.add(image(11))
+    store.add(image(12))  # the third image drops the oldest
+    with pytest.raises(ValueError, match="dropped"):
+        store.resolve(torch.tensor([[1, first[0]]]))
+    ids, embeds = store.resolve(torch.tensor([[1, *store.add(image(12))[:2]]]))
+    assert ids.tolist() == [[1, store.placeholder_id, store.placeholder_id]] and embeds.shape == (2, 64)
