@@ -18,12 +18,14 @@ from k3.train.balance import QuantileBalancer
 from k3.train.expert_parallel import shard_experts
 from k3.train.muon import MuonAdamW
 
-EP_TOKENS = (24, 5)  # 5 per rank: some experts receive nothing, and the ranks send unequal counts
+# (tokens per rank, expert quantisation): at 5 some experts receive nothing and the ranks send unequal counts;
+# "mxfp4" is quantisation-aware training inside experts_forward (MXFP4 weights, MXFP8 inputs), which EP wraps
+EP_CASES = ((24, None), (5, None), (24, "mxfp4"))
 
 
-def _moe() -> LatentMoE:
+def _moe(quantization: str | None = None) -> LatentMoE:
     torch.manual_seed(0)
-    config = K3Config.from_preset("tiny")
+    config = K3Config.from_preset("tiny", expert_quantization=quantization)
     moe = LatentMoE(config).double()
     with torch.no_grad():  # K3Model initialises its modules; alone, a LatentMoE's weights are empty
         for p in moe.parameters():
@@ -41,8 +43,8 @@ def _inputs(world: int, tokens: int, dim: int):
 
 
 def _ep_worker(rank: int, world: int, out_dir) -> None:
-    for tokens in EP_TOKENS:
-        moe = _moe()
+    for tokens, quantization in EP_CASES:
+        moe = _moe(quantization)
         mine = shard_experts(moe, rank, world)
         x, w = _inputs(world, tokens, moe.routed_expert_down_proj.in_features)
         x = x[rank].clone().requires_grad_()
@@ -50,11 +52,11 @@ def _ep_worker(rank: int, world: int, out_dir) -> None:
         (y * w[rank]).sum().backward()
         grads = {n: p.grad for n, p in moe.named_parameters() if p.grad is not None}
         result = {"y": y.detach(), "dx": x.grad, "grads": grads, "mine": list(mine)}
-        torch.save(result, out_dir / f"t{tokens}_rank{rank}.pt")
+        torch.save(result, out_dir / f"t{tokens}_{quantization}_rank{rank}.pt")
 
 
-def _check(out_dir, tokens: int, world: int) -> None:
-    moe = _moe()
+def _check(out_dir, tokens: int, quantization: str | None, world: int) -> None:
+    moe = _moe(quantization)
     x, w = _inputs(world, tokens, moe.routed_expert_down_proj.in_features)
     x = x.reshape(world * tokens, -1).requires_grad_()
     y, routing = moe(x)
@@ -63,7 +65,7 @@ def _check(out_dir, tokens: int, world: int) -> None:
     ref = dict(moe.named_parameters())
     summed: dict[str, torch.Tensor] = {}
     for rank in range(world):
-        got = torch.load(out_dir / f"t{tokens}_rank{rank}.pt")
+        got = torch.load(out_dir / f"t{tokens}_{quantization}_rank{rank}.pt")
         rows = slice(rank * tokens, (rank + 1) * tokens)
         torch.testing.assert_close(got["y"], y.detach()[rows], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got["dx"], x.grad[rows], rtol=1e-12, atol=1e-12)
@@ -159,9 +161,9 @@ def ranks_out(tmp_path_factory):
     return out
 
 
-def test_expert_parallel_equals_single_process_float64(ranks_out):
-    for tokens in EP_TOKENS:
-        _check(ranks_out, tokens, world=2)
+def test_expert_parallel_equals_single_process_float64_with_and_without_qat(ranks_out):
+    for tokens, quantization in EP_CASES:
+        _check(ranks_out, tokens, quantization, world=2)
 
 
 def test_balancer_and_sharded_muon_equal_single_process(ranks_out):
