@@ -45,7 +45,7 @@ class EngineConfig:
     max_model_len: int | None = None  # the context, prompt + max_tokens; None: the model's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_speculative_tokens: int | None = None  # proposals per step with a draft; None: the draft's own (7)
-    spec_rollback: str = "replay"  # how verify rows' KDA states return to the last accepted token (k3.spec.rollback)
+    spec_rollback: str = "snapshot"  # how verify rows' KDA states return to the last accepted token (k3.spec.rollback)
 
     def __post_init__(self) -> None:
         if (self.memory_budget is None) == (self.num_pages is None):

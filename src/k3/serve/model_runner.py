@@ -32,7 +32,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: K3Model, pool: PagePool, rollback: str = "replay"):
+    def __init__(self, model: K3Model, pool: PagePool, rollback: str = "snapshot"):
         self.model, self.pool, self.rollback_mode = model.eval(), pool, rollback
         self.config = model.config
         self.device = pool.storage.device

@@ -166,7 +166,7 @@ class PackedBatch:
     (one, or all of a verify row's), in plan order, so the model's output rows are in plan.sampled's order.
     """
 
-    def __init__(self, pool: PagePool, config: K3Config, pieces: Sequence[Piece], rollback: str = "replay"):
+    def __init__(self, pool: PagePool, config: K3Config, pieces: Sequence[Piece], rollback: str = "snapshot"):
         self.pool, self.seq_len, self.rollback_mode = pool, 0, rollback
         device = pool.storage.device
 

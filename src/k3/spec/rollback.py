@@ -14,7 +14,9 @@ leaving the pool exactly as if the row had been given those n tokens only:
   and conv tail after each is copied aside (k + 1 states of H·K·V fp32 per row and layer); the rollback
   writes back the copy after token n. Cost: k + 1 mixing calls per layer and the copies, every step.
 
-benchmarks/spec_decode.py measures both (docs/speculative.md).
+benchmarks/spec_decode.py measures both: "snapshot" was faster on this CPU at batch 1 and 8 (the replay's
+second chunked pass costs more than the per-token calls; docs/benchmarks.md), and its kept state does not
+depend, to the last bit, on the rejected tokens, so it is the default.
 """
 
 from collections import defaultdict
@@ -33,7 +35,7 @@ class VerifyKDAState:
     interface of k3.serve.paged_cache.PagedKDAState, plus `verify` (run the mixing, keeping what the
     rollback needs) and `rollback`. seqs: the rows' requests, which `rollback`'s counts are keyed by."""
 
-    def __init__(self, pool: PagePool, rows: torch.Tensor, seqs: list, mode: str = "replay"):
+    def __init__(self, pool: PagePool, rows: torch.Tensor, seqs: list, mode: str = "snapshot"):
         if mode not in ROLLBACK_MODES:
             raise ValueError(f"rollback mode must be one of {ROLLBACK_MODES}, got {mode!r}")
         self.pool, self.rows, self.seqs, self.mode = pool, rows, seqs, mode
