@@ -14,8 +14,8 @@ see the same batches; their optimiser steps alternate, so their step times are m
          MXFP4).
 Greedy agreement: the fraction of validation positions where the served model's top-1 token is the one its
 own unquantised forward (the same weights with expert_quantization None: (b)'s master weights, or (a))
-picks, teacher-forced. Decode ms/token: the engine at batch 1 (greedy, prefix cache off), rounds alternating
-the models. Expert bytes: `k3.quant.routed_expert_bytes` of the served models.
+picks, teacher-forced. Decode ms/token: the engine at batch 1 (greedy, prefix cache off), the models' steps
+interleaved. Expert bytes: `k3.quant.routed_expert_bytes` of the served models.
 """
 
 import argparse
@@ -80,22 +80,24 @@ def evaluate(model, batches, reference=None) -> tuple[float, float | None]:
 
 
 def decode_ms(models: dict[str, torch.nn.Module], tokenizer, new_tokens: int, rounds: int) -> dict[str, float]:
-    """Median ms per decode step at batch 1 after the prefill, rounds alternating the models."""
+    """Median ms of a decode step at batch 1 after the prefill. Each model's engine holds one request, and
+    their steps interleave (the order rotating each step), so a change of load reaches every model alike."""
     engines = {n: LLMEngine(m, tokenizer, EngineConfig(memory_budget=64 << 20, enable_prefix_caching=False))
                for n, m in models.items()}  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     prompt = tokenizer.encode("import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(")
     samples: dict[str, list[float]] = {n: [] for n in models}
-    for r in range(rounds):
-        for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
-            engine = engines[name]
+    names = list(engines)
+    for _ in range(rounds):
+        for engine in engines.values():
             engine.add_request(prompt, params)
             engine.step()  # the prefill (and the first token)
-            t0, steps = time.perf_counter(), 0
-            while engine.has_unfinished():
-                engine.step()
-                steps += 1
-            samples[name].append(1000 * (time.perf_counter() - t0) / steps)
+        for step in range(new_tokens - 1):
+            for name in names[step % len(names) :] + names[: step % len(names)]:
+                t0 = time.perf_counter()
+                engines[name].step()
+                samples[name].append(1000 * (time.perf_counter() - t0))
+        assert not any(e.has_unfinished() for e in engines.values())
     return {n: statistics.median(v) for n, v in samples.items()}
 
 
@@ -178,8 +180,8 @@ def main() -> None:
     print("|---|---|---|---|")
     print(f"| train step s (median of {args.steps}, alternating) | {med['fp']:.3f} | {med['qat']:.3f} | "
           f"{med['qat'] / med['fp']:.2f}x |")  # fmt: skip
-    print(f"| decode ms/token, batch 1 (median of {args.rounds} x {args.new_tokens - 1} steps; fp32 vs packed W "
-          f"+ MXFP8 in) | {ms['fp32']:.2f} | {ms['mxfp4 W + mxfp8 in']:.2f} | "
+    print(f"| decode ms/token, batch 1 (median of {args.rounds} x {args.new_tokens - 1} interleaved steps; fp32 vs "
+          f"packed W + MXFP8 in) | {ms['fp32']:.2f} | {ms['mxfp4 W + mxfp8 in']:.2f} | "
           f"{ms['mxfp4 W + mxfp8 in'] / ms['fp32']:.2f}x |")  # fmt: skip
     print(f"| decode ms/token, weight-only packed (no MXFP8 inputs) | {ms['fp32']:.2f} | {ms['mxfp4 W only']:.2f} | "
           f"{ms['mxfp4 W only'] / ms['fp32']:.2f}x |")  # fmt: skip

@@ -43,20 +43,22 @@ def fake_quantize(x: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     int_type, mantissa, bias = FLOAT_BITS[compute]
     blocks = x.to(compute).unflatten(-1, (-1, BLOCK_SIZE))  # (..., N/32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)  # NaN propagates: one isfinite catches NaN and inf
-    finite = torch.isfinite(amax)
+    magnitude = blocks.abs()
+    amax = magnitude.amax(-1, keepdim=True)  # (..., N/32, 1); NaN propagates: one isfinite catches NaN and inf
     # floor(log2 amax) is the exponent field minus the bias; a zero or subnormal amax reads lower than
     # -127 - emax and is clamped to the smallest scale, which is the codec's rule for both
     shared = ((amax.view(int_type) >> mantissa) - (bias + fmt.emax)).clamp(-E8M0_BIAS, E8M0_BIAS)
     inverse = ((bias - shared) << mantissa).view(compute)  # 2^-shared, a normal number for every finite x
-    scale_bits = torch.where(shared > -bias, (shared + bias) << mantissa, 1 << (mantissa - 1))  # 2^-127: subnormal
-    a = (blocks.abs() * inverse).clamp(max=fmt.max)  # exact; saturate first: max is on the grid
+    # 2^shared (2^-127 is a float32 subnormal). A NaN or ±inf in the block makes its scale NaN, so the whole
+    # block dequantises to NaN, as the codec's NaN scale byte does.
+    scale = torch.where(shared > -bias, (shared + bias) << mantissa, 1 << (mantissa - 1)).view(compute)
+    scale = torch.where(torch.isfinite(amax), scale, torch.nan)
+    a = (magnitude * inverse).clamp(max=fmt.max)  # exact; saturated first (max is on the grid)
     # Round to the element grid: adding 2^(e + mantissa - m), e the value's binade (subnormals: emin's), leaves
     # exactly the grid's bits, rounded to nearest, ties to even; subtracting it back is exact.
     binade = (a.view(int_type) >> mantissa).clamp(min=fmt.emin + bias)
     magic = ((binade + (mantissa - fmt.mantissa_bits)) << mantissa).view(compute)
-    q = torch.copysign((a + magic) - magic, blocks) * scale_bits.view(compute)  # −0 stays −0
-    q = torch.where(finite, q, torch.nan)  # a NaN or ±inf makes its whole block NaN (the codec's NaN scale)
+    q = torch.copysign((a + magic) - magic, blocks) * scale  # −0 stays −0
     return q.flatten(-2).to(x.dtype)
 
 
