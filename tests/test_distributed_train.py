@@ -86,8 +86,8 @@ def test_a_rank_killed_mid_checkpoint_leaves_the_last_one_and_the_run_resumes(re
     done = _k3(*flags, kill="1:checkpoint:4")  # rank 1 dies as the checkpoint of step 4 starts
     assert done.returncode != 0
     assert "k3 train (rank 0): stopping" in done.stderr, done.stderr[-3000:]
-    assert "the last checkpoint is step 2" in done.stderr and "--resume" in done.stderr
-    assert [p.name for p in step_dirs(run)] == ["step_00000002"]
+    assert "the last checkpoint is step 2" in done.stderr and "--resume" in done.stderr, done.stderr[-3000:]
+    assert [p.name for p in step_dirs(run)] == ["step_00000002"], done.stderr[-3000:]
     assert load_checkpoint(run).step == 2  # complete: every file is there and matches its checksum
     done = _k3(*flags[: flags.index("--ep")], "--resume")  # on one process
     assert done.returncode == 0, done.stderr[-3000:]

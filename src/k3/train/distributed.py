@@ -65,6 +65,15 @@ class Parallel:
     def ep_rank(self) -> int:
         return self.rank % self.ep
 
+    def rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's equal share of a batch's rows (all of them in one process)."""
+        if self.world_size == 1:
+            return batch
+        if len(batch) % self.world_size:
+            raise ValueError(f"a micro-batch of {len(batch)} sequences does not split over {self.world_size} processes")
+        per = len(batch) // self.world_size
+        return batch[self.rank * per : (self.rank + 1) * per]
+
     def barrier(self) -> None:
         if self.distributed:
             collective(dist.barrier)
@@ -78,11 +87,15 @@ class Parallel:
         return t.item() / self.world_size
 
 
+_stopping = [False]  # set once this process is on its way out (a failed collective or SIGTERM): see stop_on_sigterm
+
+
 def collective(fn, *args, **kwargs):
     """Run one torch.distributed call; a failure (a peer gone, a timeout) becomes a PeerFailure."""
     try:
         return fn(*args, **kwargs)
     except (RuntimeError, ConnectionError) as e:  # gloo and NCCL report a lost peer as RuntimeError subclasses
+        _stopping[0] = True
         raise PeerFailure(f"a collective across ranks failed: another rank stopped or is unreachable ({e})") from e
 
 
@@ -99,8 +112,13 @@ class Stopped(Exception):
 
 
 def stop_on_sigterm() -> None:
+    """SIGTERM raises Stopped, once: when the process already stops (a collective failed, or an earlier SIGTERM),
+    torchrun's SIGTERM, which typically follows a peer's death, must not cut short the message being printed."""
+
     def handler(signum, frame):
-        raise Stopped("stopped by SIGTERM (torchrun ends every rank when one has failed)")
+        if not _stopping[0]:
+            _stopping[0] = True
+            raise Stopped("stopped by SIGTERM (torchrun ends every rank when one has failed)")
 
     signal.signal(signal.SIGTERM, handler)
 

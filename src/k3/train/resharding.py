@@ -16,6 +16,7 @@ sharded on-disk format (torch.distributed.checkpoint), which this does not write
 """
 
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from k3.model import K3Model
+from k3.train.checkpoint import write_checkpoint
 from k3.train.distributed import collective
 from k3.train.optim import param_groups
 from k3.train.parallelize import ParallelModel
@@ -121,6 +123,19 @@ def local_part(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     if isinstance(param, DTensor) and value.ndim > 0:
         return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
     return value
+
+
+def save_gathered(pm: ParallelModel, optimizer, run: Path, step: int, config, state: dict[str, Any],
+                  expert_optimizer: str, expert_ns_steps: int, keep_last: int) -> Path:  # fmt: skip
+    """full_state, written by rank 0 as step `step` of `run` (k3.train.checkpoint.write_checkpoint, with the
+    layout in the training state); every rank returns after the write (a barrier)."""
+    model_tensors, opt_tensors, opt_meta = full_state(pm, optimizer, config, expert_optimizer, expert_ns_steps)
+    path = run / f"step_{step:08d}"
+    if pm.parallel.is_main:
+        state = {**state, "parallel": layout(pm)}
+        path = write_checkpoint(run, step, model_tensors, opt_tensors, opt_meta, config, state, keep_last=keep_last)
+    pm.parallel.barrier()
+    return path
 
 
 def layout(pm: ParallelModel) -> dict[str, Any]:

@@ -476,49 +476,27 @@ class Trainer:
         losses = []
         for batch in self.val_batches:
             split = len(batch) % self.parallel.world_size == 0  # else every rank evaluates the whole batch
-            batch = (self._rows(batch) if split else batch).to(self.device)
+            batch = (self.parallel.rows(batch) if split else batch).to(self.device)
             with self.autocast():
                 loss = self.model(batch, labels=batch).loss.item()
             losses.append(self.parallel.mean(loss) if split else loss)
         self.model.train()
         return sum(losses) / len(losses)
 
-    def _rows(self, batch: torch.Tensor) -> torch.Tensor:
-        """This rank's equal share of a batch's rows (all of them in one process)."""
-        world = self.parallel.world_size
-        if world == 1:
-            return batch
-        if len(batch) % world:
-            raise ValueError(f"a micro-batch of {len(batch)} sequences does not split over {world} processes")
-        per = len(batch) // world
-        return batch[self.parallel.rank * per : (self.parallel.rank + 1) * per]
-
     def save(self) -> Path:
         state = {"position": self.position, "args": asdict(self.args), "tokenizer": "tokenizer.json",
                  "balancer": self.balancer.state_dict() if self.balancer is not None else {}}  # fmt: skip
+        a = self.args
         if not self.parallel.distributed:
             path = save_checkpoint(self.run, self.step, self.model, self.optimizer, self.config, state,
-                                   keep_last=self.args.keep_last)  # fmt: skip
-        else:
-            path = self._save_gathered(state)
+                                   keep_last=a.keep_last)  # fmt: skip
+        else:  # every rank sends its part, rank 0 writes the single-process checkpoint, the others wait for it
+            from k3.train.resharding import save_gathered
+
+            kill_point(self.parallel.rank, "checkpoint", self.step)
+            path = save_gathered(self.pm, self.optimizer, self.run, self.step, self.config, state, a.expert_optimizer,
+                                 a.expert_ns_steps, a.keep_last)  # fmt: skip
         self.saved_step = self.step
-        return path
-
-    def _save_gathered(self, state: dict[str, Any]) -> Path:
-        """Every rank sends its part, rank 0 writes the single-process checkpoint; the others wait for it."""
-        from k3.train.checkpoint import write_checkpoint
-        from k3.train.resharding import full_state, layout
-
-        a = self.args
-        kill_point(self.parallel.rank, "checkpoint", self.step)
-        model_tensors, opt_tensors, opt_meta = full_state(self.pm, self.optimizer, self.config, a.expert_optimizer,
-                                                          a.expert_ns_steps)  # fmt: skip
-        path = self.run / f"step_{self.step:08d}"
-        if self.parallel.is_main:
-            state = {**state, "parallel": layout(self.pm)}
-            path = write_checkpoint(self.run, self.step, model_tensors, opt_tensors, opt_meta, self.config, state,
-                                    keep_last=a.keep_last)  # fmt: skip
-        self.parallel.barrier()
         return path
 
     def metrics(self) -> list[dict[str, Any]]:
@@ -593,7 +571,7 @@ class Trainer:
         for _ in range(a.grad_accum):
             batch = self.batches.batch(self.step, self.position).to(self.device)
             self.position += batch.shape[0]
-            batch = self._rows(batch)
+            batch = self.parallel.rows(batch)
             with self.autocast():
                 out = self.pm.forward(batch, labels=batch)
             (out.loss / a.grad_accum).backward()
