@@ -62,6 +62,11 @@ class Parallel:
         return self.rank == 0
 
     @property
+    def device(self) -> torch.device:
+        """Where this rank's collectives take their tensors: its GPU under NCCL, the CPU under gloo."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    @property
     def ep_rank(self) -> int:
         return self.rank % self.ep
 
@@ -82,7 +87,7 @@ class Parallel:
         """The mean of a number over all ranks (every rank must call it)."""
         if not self.distributed:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         collective(dist.all_reduce, t)
         return t.item() / self.world_size
 

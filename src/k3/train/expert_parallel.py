@@ -64,10 +64,10 @@ class ExpertExchange:
             raise ValueError(f"expert parallelism exchanges the runs of all {self.num_experts} experts; got "
                              f"{len(counts)} counts from expert {first}")  # fmt: skip
         N, X = self.ep_size, self.local
-        counts_E = torch.tensor(counts, dtype=torch.int64)
+        counts_E = torch.tensor(counts, dtype=torch.int64, device=z_AL.device)  # (NCCL takes GPU tensors only)
         recv_counts = torch.empty_like(counts_E)
         collective(dist.all_to_all_single, recv_counts, counts_E, group=self.group)
-        recv_counts_SX = recv_counts.view(N, X)
+        counts_E, recv_counts_SX = counts_E.cpu(), recv_counts.cpu().view(N, X)
         send_splits = counts_E.view(N, X).sum(1).tolist()
         recv_splits = recv_counts_SX.sum(1).tolist()
         z_recv = all_to_all(z_AL, send_splits, recv_splits, self.group)  # (source, expert) order

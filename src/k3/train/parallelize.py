@@ -94,7 +94,7 @@ def sync_expert_grads(pm: ParallelModel) -> None:
         return
     params = [p for _, p in pm.experts]
     if pm.replicas > 1:
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
         collective(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=pm.replica_group)
         live = [p for p, h in zip(params, has.tolist(), strict=True) if h]
         if live:
@@ -118,8 +118,9 @@ def clip_grad_norm(pm: ParallelModel, max_norm: float) -> float:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
     expert_ids = {id(p) for _, p in pm.experts}
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    replicated = torch.zeros((), dtype=torch.float64)
-    across = torch.zeros(2, dtype=torch.float64)  # [sharded, experts / replicas], summed over all ranks
+    device = pm.parallel.device
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    across = torch.zeros(2, dtype=torch.float64, device=device)  # [sharded, experts / replicas], over all ranks
     for p in model.parameters():
         if p.grad is None:
             continue

@@ -64,10 +64,10 @@ def full_state(pm: ParallelModel, optimizer, config, expert_optimizer: str, expe
     per_rank = len({int(EXPERT.fullmatch(n)[2]) for n in expert_names})  # held experts (the same in every layer)
     group0 = pm.parallel.rank < pm.parallel.ep and pm.parallel.ep > 1
     if group0 and not rank0:
-        _send_experts(expert_names, algo, model_tensors, opt_tensors)
+        _send_experts(expert_names, algo, model_tensors, opt_tensors, pm.parallel.device)
     if rank0:
         for source in _expert_sources(pm):
-            _recv_experts(source, source * per_rank, expert_names, algo, model_tensors, opt_tensors)
+            _recv_experts(source, source * per_rank, expert_names, algo, model_tensors, opt_tensors, pm.parallel.device)
     if not rank0:
         return None, None, None
     with torch.device("meta"):
@@ -89,33 +89,37 @@ def full_state(pm: ParallelModel, optimizer, config, expert_optimizer: str, expe
     return model_tensors, opt_tensors, {"groups": saved, "scalars": {}}
 
 
-def _send_experts(expert_names, algo, model_tensors, opt_tensors) -> None:
+def _send(t: torch.Tensor, device: torch.device) -> None:
+    collective(dist.send, t.contiguous().to(device), dst=0)
+
+
+def _recv(like: torch.Tensor, source: int, device: torch.device) -> torch.Tensor:
+    buf = torch.empty(like.shape, dtype=like.dtype, device=device)
+    collective(dist.recv, buf, src=source)
+    return buf.cpu()
+
+
+def _send_experts(expert_names, algo, model_tensors, opt_tensors, device) -> None:
     """To rank 0: each held expert's weight, a presence flag for its optimiser state, and the state."""
     for name in expert_names:
-        collective(dist.send, model_tensors[name].contiguous(), dst=0)
+        _send(model_tensors[name], device)
     for name in expert_names:
-        present = torch.tensor([f"{name}::{STATE_KEYS[algo[name]][-1]}" in opt_tensors], dtype=torch.int32)
-        collective(dist.send, present, dst=0)
-        if present.item():
+        _send(torch.tensor([f"{name}::{STATE_KEYS[algo[name]][-1]}" in opt_tensors], dtype=torch.int32), device)
+        if f"{name}::{STATE_KEYS[algo[name]][-1]}" in opt_tensors:
             for key in STATE_KEYS[algo[name]]:
-                collective(dist.send, opt_tensors[f"{name}::{key}"].contiguous(), dst=0)
+                _send(opt_tensors[f"{name}::{key}"], device)
 
 
-def _recv_experts(source, shift, expert_names, algo, model_tensors, opt_tensors) -> None:
+def _recv_experts(source, shift, expert_names, algo, model_tensors, opt_tensors, device) -> None:
     """From rank `source`: the experts numbered `shift` above rank 0's (same shapes, same order)."""
     for name in expert_names:
-        buf = torch.empty_like(model_tensors[name])
-        collective(dist.recv, buf, src=source)
-        model_tensors[_renumber(name, shift)] = buf
+        model_tensors[_renumber(name, shift)] = _recv(model_tensors[name], source, device)
+    step_like = torch.empty((), dtype=torch.float32)
     for name in expert_names:
-        present = torch.zeros(1, dtype=torch.int32)
-        collective(dist.recv, present, src=source)
-        if present.item():
+        if _recv(torch.empty(1, dtype=torch.int32), source, device).item():
             for key in STATE_KEYS[algo[name]]:
-                like = model_tensors[name]
-                buf = torch.empty((), dtype=torch.float32) if key == "step" else torch.empty_like(like)
-                collective(dist.recv, buf, src=source)
-                opt_tensors[f"{_renumber(name, shift)}::{key}"] = buf
+                like = step_like if key == "step" else model_tensors[name]
+                opt_tensors[f"{_renumber(name, shift)}::{key}"] = _recv(like, source, device)
 
 
 def local_part(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
