@@ -14,7 +14,7 @@ leaving the pool exactly as if the row had been given those n tokens only:
   and conv tail after each is copied aside (k + 1 states of H·K·V fp32 per row and layer); the rollback
   writes back the copy after token n. Cost: k + 1 mixing calls per layer and the copies, every step.
 
-benchmarks/spec_decode.py measures both: "snapshot" was faster on this CPU at batch 1 and 8 (the replay's
+benchmarks/spec_decode.py measures both: "snapshot" was faster on this CPU at batch 1 and 8, 1.10-1.23x (the replay's
 second chunked pass costs more than the per-token calls; docs/benchmarks.md), and its kept state does not
 depend, to the last bit, on the rejected tokens, so it is the default.
 """
