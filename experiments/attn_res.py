@@ -92,10 +92,10 @@ def report(out, store, runs, steps, batch, seq_len) -> None:
     ax.set(xlabel="step", ylabel="validation loss (nats/token)", title=f"small preset, {batch}x{seq_len} tokens/step")
     ax.legend()
     rms_rows = []
-    for name in ("attnres", "standard"):
+    for name, color in (("attnres", "C0"), ("standard", "C3")):
         for when, style in (("init", ":"), ("trained", "-")):
             rms = store.get(f"rms/{name}/{when}")["rms"]
-            bx.plot(np.arange(1, len(rms) + 1) / 2, rms, style, label=f"{name}, {when}")
+            bx.plot(np.arange(1, len(rms) + 1) / 2, rms, style, color=color, label=f"{name}, {when}")
             rms_rows.append([name, when, f"{rms[0]:.3f}", f"{rms[len(rms) // 2]:.3f}", f"{rms[-1]:.3f}",
                              f"{rms[-1] / rms[0]:.1f}x"])  # fmt: skip
     bx.set(xlabel="layer (two sublayers each)", ylabel="RMS of the sublayer's input", yscale="log",

@@ -10,7 +10,7 @@ that breaks beyond its training length gets worse.
 
     python experiments/nope_extension.py                          # S = 200 steps, L = 128, 8 sequences per step
     python experiments/nope_extension.py --quick                  # S = 4 steps, L = 64, 2 sequences per step
-    python experiments/nope_extension.py --steps 60 --windows 4   # the reduced run docs/evidence.md shows
+    python experiments/nope_extension.py --steps 40 --windows 4   # the reduced run docs/evidence.md shows
 """
 
 import sys
