@@ -13,9 +13,9 @@ MaxVio of each step is measured under the bias set from the steps before it.
 (b) The small preset trained by `k3 train` with each rule (same seed, data and steps): MaxVio per
 step, averaged over the MoE layers, and the validation loss at the end.
 
-    python experiments/quantile_balancing.py            # 3 seeds x 300 steps of 4096 tokens; 3 x 120 training steps
+    python experiments/quantile_balancing.py            # 3 seeds x 200 steps of 4096 tokens; 3 x 80 training steps
     python experiments/quantile_balancing.py --quick    # 1 seed x 60 steps of 2048 tokens; 3 x 6 training steps
-    python experiments/quantile_balancing.py --seeds 1 --steps 120 --train-steps 30    # docs/evidence.md's run
+    python experiments/quantile_balancing.py --seeds 1 --steps 120 --train-steps 10    # docs/evidence.md's run
 """
 
 import sys
@@ -66,19 +66,19 @@ def synthetic_maxvio(rule: str, seed: int, steps: int, tokens: int, experts: int
 def main() -> None:
     p = parser(NAME, __doc__)
     p.add_argument("--seeds", type=int, default=None, help="seeds of the synthetic part (default 3; 1 with --quick)")
-    p.add_argument("--steps", type=int, default=None, help="steps of the synthetic part (default 300; 60 quick)")
-    p.add_argument("--train-steps", type=int, default=None, help="steps of each training run (default 120; 6 quick)")
+    p.add_argument("--steps", type=int, default=None, help="steps of the synthetic part (default 200; 60 quick)")
+    p.add_argument("--train-steps", type=int, default=None, help="steps of each training run (default 80; 6 quick)")
     args = p.parse_args()
     out = out_dir(NAME, args)
     store = Store(out)
-    seeds, steps, tokens = ([0], 60, 2048) if args.quick else ([0, 1, 2], 300, 4096)
+    seeds, steps, tokens = ([0], 60, 2048) if args.quick else ([0, 1, 2], 200, 4096)
     seeds = list(range(args.seeds)) if args.seeds else seeds
     steps = args.steps or steps
     for rule in RULES:
         for seed in seeds:
             key = f"synthetic/{rule}/{seed}"
             store.run(key, lambda r=rule, s=seed: {"maxvio": synthetic_maxvio(r, s, steps, tokens)})
-    train_steps = args.train_steps or (6 if args.quick else 120)
+    train_steps = args.train_steps or (6 if args.quick else 80)
     shape = ["--batch-size", "4", "--seq-len", "64"] if args.quick else ["--batch-size", "8", "--seq-len", "256"]
     base = base_run(args.quick)
     for rule, flags in TRAIN_FLAGS.items():
