@@ -151,3 +151,14 @@ def test_a_stop_token_inside_the_accepted_tokens_ends_the_output_there(model):
     oracle = {tuple(p): r for p, r in zip(PROMPTS, ref, strict=True)}
     got, engine = run(model, PROMPTS, stop, DraftModel(model.config).double(), oracle)
     assert got == ref_stop and engine.spec_stats.accepted > 0
+
+
+def test_speculation_only_at_small_batches_when_asked(model):
+    """spec_max_batch = 1: proposals only while one request runs; the tokens are the same either way."""
+    ref, _ = run(model, PROMPTS[:3], GREEDY)
+    oracle = {tuple(p): r for p, r in zip(PROMPTS[:3], ref, strict=True)}
+    got, engine = run(model, PROMPTS[:3], GREEDY, DraftModel(model.config).double(), oracle, steps_between=2,
+                      spec_max_batch=1)  # fmt: skip
+    assert got == ref
+    everywhere = run(model, PROMPTS[:3], GREEDY, DraftModel(model.config).double(), oracle, steps_between=2)[1]
+    assert 0 < engine.spec_stats.verify_steps < everywhere.spec_stats.verify_steps

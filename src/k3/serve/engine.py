@@ -46,10 +46,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_speculative_tokens: int | None = None  # proposals per step with a draft; None: the draft's own (7)
     spec_rollback: str = "snapshot"  # how verify rows' KDA states return to the last accepted token (k3.spec.rollback)
+    # speculate only while at most this many requests run (None: always): on a CPU a full batch already uses
+    # the compute that verifying proposals needs, and speculation then slows it down (docs/benchmarks.md)
+    spec_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if (self.memory_budget is None) == (self.num_pages is None):
             raise ValueError("give exactly one of memory_budget (bytes) and num_pages")
+        if self.spec_max_batch is not None and (not isinstance(self.spec_max_batch, int) or self.spec_max_batch < 0):
+            raise ValueError(f"spec_max_batch must be None or an int >= 0, got {self.spec_max_batch!r}")
 
 
 @dataclass
@@ -168,7 +173,11 @@ class LLMEngine:
             # the big model's features where each request's newest token came from
             ready = [(p.seq, r[len(t) - 1]) for p, t, r in zip(plan.sampled, new_tokens, rows, strict=True)
                      if not p.seq.is_finished and p.seq.remaining_prefill == 1]  # fmt: skip
-            if ready:
+            limit = self.config.spec_max_batch
+            if limit is not None and len(self.scheduler.running) > limit:
+                for seq, _ in ready:
+                    seq.draft_token_ids, seq.draft_probs = [], None
+            elif ready:
                 at = torch.tensor([r for _, r in ready], device=out.logits.device)
                 self.proposer.propose([s for s, _ in ready], [f[at] for f in out.summaries])
         self.scheduler.step_seconds = 0.9 * self.scheduler.step_seconds + 0.1 * (time.perf_counter() - t0)

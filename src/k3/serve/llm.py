@@ -44,6 +44,7 @@ class LLM:
     speculative_model: a draft folder from `k3 train-draft` (speculative decoding, docs/speculative.md): the
     draft proposes up to num_speculative_tokens (default: the draft's, 7) tokens a step and the model
     verifies them in its one forward; outputs follow the model's distribution exactly (greedy: the same tokens).
+    spec_max_batch: speculate only while at most this many requests run (on a CPU a full batch is faster without).
     Other keywords go to SchedulerConfig. `ckpt=` is the older keyword for the path.
 
     The engine's step loop runs on a background thread (k3.serve.async_engine), started at the first
@@ -55,7 +56,7 @@ class LLM:
                  text_only: bool = False, dtype: torch.dtype = torch.float32, quantization: str | None = None,
                  ckpt: str | Path | None = None, max_model_len: int | None = None,
                  speculative_model: str | Path | None = None, num_speculative_tokens: int | None = None,
-                 **scheduler_kwargs):  # fmt: skip
+                 spec_max_batch: int | None = None, **scheduler_kwargs):  # fmt: skip
         from k3.hub import load_for_inference
         from k3.hub.load import check_quantization
         from k3.spec.folder import load_draft, read_meta
@@ -69,7 +70,7 @@ class LLM:
             memory_budget = 256 << 20
         config = EngineConfig(memory_budget=memory_budget, num_pages=num_pages,
                               enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-                              num_speculative_tokens=num_speculative_tokens,
+                              num_speculative_tokens=num_speculative_tokens, spec_max_batch=spec_max_batch,
                               scheduler=SchedulerConfig(**scheduler_kwargs))  # fmt: skip
         weights, self.tokenizer = load_for_inference(model if ckpt is None else ckpt, device=device, dtype=dtype,
                                                      text_only=text_only, quantization=quantization)  # fmt: skip
