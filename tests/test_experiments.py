@@ -12,8 +12,6 @@ import pytest
 from k3.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("quantile_balancing", "bounded_numerics", "attn_res", "hybrid", "nope_extension")
-
 pytestmark = pytest.mark.slow
 
 
@@ -83,3 +81,12 @@ def test_nope_extension_quick(tmp_path, base):
     r = run_quick("nope_extension", tmp_path, base)
     for name in ("64 only", "64 then 256"):
         assert [r[f"eval/{name}/{n}"]["windows"] >= 1 for n in (64, 256, 1024)] == [True] * 3
+
+
+def test_latent_moe_quick(tmp_path, base):
+    r = run_quick("latent_moe", tmp_path, base)
+    latent, full = r["train/LatentMoE"], r["train/full-width MoE"]
+    assert len(latent["val"]) == len(full["val"]) == 4
+    table = (tmp_path / "table.md").read_text()
+    assert "| k3 | LatentMoE | 3584 | 3072 | 33,030,144 |" in table
+    assert "| 229,376 |" in table and "| 458,752 |" in table  # full width: twice the all-to-all bytes
