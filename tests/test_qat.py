@@ -144,6 +144,21 @@ def test_gradients_reach_every_parameter_under_qat():
     assert not any(torch.equal(grads["mxfp4"][n], grads[None][n]) for n in grads[None] if n not in one_source)
 
 
+def test_qat_with_activation_checkpointing_is_bitwise_the_same():
+    """The recomputed forward runs the quantisers again: they are deterministic, so loss and every gradient match."""
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(3))
+    results = []
+    for checkpointing in (False, True):
+        model = qat_model()
+        model.set_activation_checkpointing(checkpointing)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        results.append((loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (loss_ckpt, grads_ckpt) = results
+    assert torch.equal(loss, loss_ckpt) and grads.keys() == grads_ckpt.keys()
+    assert all(torch.equal(grads[n], grads_ckpt[n]) for n in grads)
+
+
 def test_the_packed_export_computes_the_trained_function_bitwise(tmp_path, monkeypatch):
     from k3.hub import load_pretrained
     from k3.hub.export import release_config, release_tensors, weights_dtype, write_model_folder
