@@ -247,6 +247,19 @@ def test_k3_train_qat_from_a_full_precision_checkpoint(tmp_path, capsys):
     assert not (tmp_path / "bad").exists()
 
 
+def test_expert_widths_that_are_not_whole_blocks_are_refused():
+    from k3.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"widths are 48 \(latent\) and 32 \(hidden\); both must be multiples of 32"):
+        K3Config.from_preset("tiny", routed_expert_hidden_size=48, expert_quantization="mxfp4")
+    model = K3Model(K3Config.from_preset("tiny", routed_expert_hidden_size=48))  # unquantised: any width
+    with pytest.raises(ConfigError, match="multiples of 32"):
+        set_expert_quantization(model, "mxfp4")
+    assert model.config.expert_quantization is None  # refused before anything changed
+    with pytest.raises(ConfigError, match="must be None"):
+        set_expert_quantization(model, "fp8")
+
+
 def test_torchao_mx_quantiser_agrees_bit_for_bit():
     pytest.importorskip("torchao")
     with warnings.catch_warnings():

@@ -332,6 +332,11 @@ class K3Config:
         if self.expert_quantization not in (None, "mxfp4"):
             self._fail("expert_quantization", "must be None (full precision) or 'mxfp4' (MXFP4 expert weights, "
                                               "MXFP8 expert inputs)")  # fmt: skip
+        widths = (self.routed_expert_hidden_size, self.moe_intermediate_size)
+        if self.expert_quantization and any(w % 32 for w in widths):
+            self._fail("expert_quantization", f"quantises routed experts in MX blocks of 32 along their inputs, but "
+                                              f"their widths are {widths[0]} (latent) and {widths[1]} (hidden); both "
+                                              f"must be multiples of 32")  # fmt: skip
         if not self.mla_use_nope:
             self._fail("mla_use_nope", "must be True: K3 has no positional encoding and k3 implements no RoPE")
         L = self.num_hidden_layers
