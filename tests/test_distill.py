@@ -213,3 +213,35 @@ def test_domain_evaluation(ckpts):
     nll, count = score_tokens(load_pretrained(ckpts / "student").model, ids, 256, 4)
     assert score.tokens == count == 199 and score.val_loss == pytest.approx(nll / count, rel=1e-6)
     assert score.tasks == 3 and score.accuracy == 0.0  # a random model does not answer sums
+
+
+def test_sigkill_mid_run_resumes_to_the_same_losses(ckpts, tmp_path):
+    """A real kill (SIGKILL, whatever step or write it lands in), then `k3 distill --resume`."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def command(out):
+        return [sys.executable, "-m", "k3.cli", "distill", "--student", str(ckpts / "student"), "--teacher",
+                f"all={ckpts / 'other'}", "--mix", "reasoning-low=1,reasoning-high=1", "--steps", "30",
+                "--batch-size", "2", "--max-new-tokens", "4", "--ckpt-every", "4", "--refresh-every", "3",
+                "--no-progress", "--out", str(out)]  # fmt: skip
+
+    def losses(out):
+        from k3.train.files import latest_timeline, read_jsonl
+
+        return [(r["step"], r["loss"]) for r in latest_timeline(read_jsonl(out / "metrics.jsonl"))]
+
+    subprocess.run(command(tmp_path / "whole"), env=env, check=True, capture_output=True)
+    proc = subprocess.Popen(command(tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 10):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL  # killed mid-run, not finished
+    subprocess.run([*command(tmp_path / "killed"), "--resume"], env=env, check=True, capture_output=True)
+    assert losses(tmp_path / "killed") == losses(tmp_path / "whole") and len(losses(tmp_path / "whole")) == 30
