@@ -11,8 +11,10 @@ the two have the same expert count and the same active expert parameters. Per to
 
 (a) That accounting for the released shape (preset k3) and the small preset, from their configs.
 (b) Both small-preset variants trained by `k3 train` from the same seed for the same steps and tokens:
-validation loss and seconds per step. k3 always builds the down/up projections, so the full-width variant
-carries them as d x d matrices (0.5M parameters a layer in the small preset) that a plain MoE would not have.
+validation loss and seconds per step. Two differences k3's config imposes on the full-width variant: it
+always builds the down/up projections, so they are d x d matrices a plain MoE would not have, and the shared
+expert's hidden size is moe_intermediate_size, so it is halved too. In the small preset that leaves the
+full-width variant's MoE layers with 426K active parameters against LatentMoE's 458K (7% fewer).
 
     python experiments/latent_moe.py                 # 200 steps of 8 x 256 tokens per variant
     python experiments/latent_moe.py --quick         # 4 steps of 2 x 64
