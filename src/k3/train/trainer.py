@@ -93,7 +93,8 @@ class TrainArgs:
     qb_bins: int = _arg(1000, "histogram bins per MoE layer of Quantile Balancing")
     qb_exact_cutoff: bool = _arg(False, "Quantile Balancing with the k-th score as the cutoff for unpicked experts")
     data: str | None = _arg(None, "a folder of text files, one text file, or a domain (code, tests, docs, "
-                            "reasoning-low, reasoning-high; join with +) (default: the Python standard library)")  # fmt: skip
+                            "reasoning-low, reasoning-high; join with +) (default: the Python standard "
+                            "library)")  # fmt: skip
     val_data: str | None = _arg(None, "validation text, a folder or a file (default: a --val-fraction of --data)")
     val_fraction: float = _arg(0.02, "the fraction of --data's files held out for validation (by a hash of names)")
     vocab_size: int = _arg(8192, "tokens of the byte-level BPE learned from the data")
