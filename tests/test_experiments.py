@@ -90,3 +90,14 @@ def test_latent_moe_quick(tmp_path, base):
     table = (tmp_path / "table.md").read_text()
     assert "| k3 | LatentMoE | 3584 | 3072 | 33,030,144 |" in table
     assert "| 229,376 |" in table and "| 458,752 |" in table  # full width: twice the all-to-all bytes
+
+
+def test_k3_vs_llama_quick(tmp_path, base):
+    pytest.importorskip("transformers")
+    r = run_quick("k3_vs_llama", tmp_path, base)
+    models = r["race/10"]["models"]
+    for name in ("K3 small", "Llama"):
+        (steps_1, seconds_1, _), (steps_4, seconds_4, _) = models[name]["val"]
+        assert seconds_1 >= 10 and seconds_4 >= 40 and steps_4 > steps_1  # each measured at its own B and 4B
+        assert models[name]["sample"].startswith("def fibonacci(n):\n")
+    assert abs(models["Llama"]["active"] / models["K3 small"]["active"] - 1) < 0.1  # equal active parameters
