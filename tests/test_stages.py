@@ -6,13 +6,13 @@ import shutil
 
 import numpy as np
 import pytest
-from tests.tiny_runs import tiny_train_args
 
 from k3.cli import main
 from k3.train.data import PackedSequences
 from k3.train.stages import Stage, TrainBatches, parse_stages, stage_at
 from k3.train.tokenizer import byte_tokenizer
 from k3.train.trainer import TrainArgs
+from tiny_runs import tiny_train_args
 
 
 def test_parse_and_stage_boundaries():
