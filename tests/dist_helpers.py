@@ -21,10 +21,15 @@ def _worker(rank: int, fn, world: int, init_file: str, args: tuple) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))  # fmt: skip
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world, *args)
+    # Both ranks past their last collective before either tears the group down: a rank that destroyed it
+    # while its peer's gloo threads still talked to it made that peer abort at exit ("terminate called
+    # without an active exception", SIGABRT) in 3 of 4 runs here, failing a test whose results were right.
+    dist.barrier()
+    dist.destroy_process_group()
+    # Even so, about 1 exit in 8 still aborted in interpreter teardown after FSDP2 (C++ threads destroyed
+    # while joinable); every result is on disk by now and the parent checks it, so skip that teardown.
+    os._exit(0)
 
 
 def spawn(fn, tmp_path, *args, world: int = 2, timeout: float = 60) -> None:

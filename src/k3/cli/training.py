@@ -154,7 +154,7 @@ def _train_rank(args: argparse.Namespace) -> int:
     from k3.train.distributed import PeerFailure, RankLog, Stopped, init_parallel, shutdown, stop_on_sigterm
     from k3.train.trainer import Trainer
 
-    trainer, log, rank = None, None, os.environ.get("RANK", "?")
+    trainer, log, rank, finished = None, None, os.environ.get("RANK", "?"), False
     stop_on_sigterm()
     try:
         parallel = init_parallel(args.dp, args.ep)
@@ -162,6 +162,7 @@ def _train_rank(args: argparse.Namespace) -> int:
         log = RankLog(parallel.rank)
         trainer = Trainer(_train_args(args), log=log, parallel=parallel)
         summary = trainer.train()
+        finished = True
     except KeyboardInterrupt:
         return _interrupted("train", args, trainer) if rank == "0" else EXIT_INTERRUPTED
     except (PeerFailure, Stopped) as e:
@@ -177,7 +178,7 @@ def _train_rank(args: argparse.Namespace) -> int:
     finally:
         if log is not None:
             log.close()
-        shutdown()
+        shutdown(finished)
     if rank == "0":
         _print_next(args, summary)
     return 0

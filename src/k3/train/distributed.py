@@ -153,8 +153,12 @@ def init_parallel(dp: str = "ddp", ep: int = 1) -> Parallel:
     return Parallel(rank, world, ep, dp, backend)
 
 
-def shutdown() -> None:
+def shutdown(finished: bool = False) -> None:
+    """Leave the process group; after a finished run, only once every rank is past its last collective
+    (a rank tearing the group down while a peer's gloo threads still use it can make that peer abort)."""
     if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 
