@@ -34,6 +34,27 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command stopp
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader went away (`k3 generate … | head -1`)
 
 
+def _interrupted(command: str, run, rerun) -> int:
+    """Ctrl-C in a training-like command (train, quickstart, distill): where the run stood and the command that
+    continues it; exit status 130 as a shell reports. run: the Trainer or Distiller (`step`, `saved_step`, the
+    run folder `run`), None before it existed; rerun(resume) -> the command line to suggest."""
+    from k3.train.checkpoint import step_dirs
+
+    step = 0 if run is None else run.step
+    saved = None if run is None else run.saved_step
+    if run is not None:
+        # Ctrl-C can land after a checkpoint's folder is renamed into place but before the run notes it
+        on_disk = [int(p.name.rsplit("_", 1)[1]) for p in step_dirs(run.run)]
+        saved = max([s for s in (saved, *on_disk) if s is not None], default=None)
+    if saved is None:
+        print(f"\nk3 {command}: interrupted at step {step}, before the first checkpoint; start again with: "
+              f"{rerun(False)}", file=sys.stderr)  # fmt: skip
+    else:
+        print(f"\nk3 {command}: interrupted at step {step}; resume with: {rerun(True)} "
+              f"(continues from step {saved}, the last checkpoint)", file=sys.stderr)  # fmt: skip
+    return EXIT_INTERRUPTED
+
+
 def _device(name: str) -> str:
     """A device torch can use here, checked before any loading: cpu, cuda or cuda:N."""
     try:

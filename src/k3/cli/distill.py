@@ -6,7 +6,7 @@ import json
 import shlex
 import sys
 
-from k3.cli.common import EXIT_INTERRUPTED, RUN_ERRORS, _run_error
+from k3.cli.common import RUN_ERRORS, _interrupted, _run_error
 
 CHOICES = {"objective": ["reverse-kl", "sft"], "schedule": ["cosine", "wsd"]}
 
@@ -50,14 +50,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
               f"mixture {distiller.mixture}, writing to {args.out}/", file=sys.stderr)  # fmt: skip
         summary = distiller.train()
     except KeyboardInterrupt:
-        saved = None if distiller is None else distiller.saved_step
-        if saved is None:
-            print(f"\nk3 distill: interrupted before the first checkpoint; start again with: "
-                  f"{_rerun(sys.argv[1:], resume=False)}", file=sys.stderr)  # fmt: skip
-        else:
-            print(f"\nk3 distill: interrupted; resume with: {_rerun(sys.argv[1:], resume=True)} (continues from "
-                  f"step {saved}, the last checkpoint)", file=sys.stderr)  # fmt: skip
-        return EXIT_INTERRUPTED
+        return _interrupted("distill", distiller, lambda resume: _rerun(sys.argv[1:], resume))
     except RUN_ERRORS as e:
         return _run_error("distill", e)
     print(json.dumps(summary))

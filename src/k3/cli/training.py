@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from k3.cli.common import EXIT_INTERRUPTED, RUN_ERRORS, _run_error, _sampling
+from k3.cli.common import EXIT_INTERRUPTED, RUN_ERRORS, _interrupted, _run_error, _sampling
 from k3.config import PRESETS, K3Config
 
 QUICKSTART_PROMPT = "def fibonacci(n):\n"
@@ -65,25 +65,6 @@ def _rerun_command(args: argparse.Namespace, resume: bool, **changes) -> str:
     return " ".join(parts)
 
 
-def _interrupted(command: str, args: argparse.Namespace, trainer) -> int:
-    """Ctrl-C: where the run stood and the command that continues it; exit status 130 as a shell reports."""
-    from k3.train.checkpoint import step_dirs
-
-    step = 0 if trainer is None else trainer.step
-    saved = None if trainer is None else trainer.saved_step
-    if trainer is not None:
-        # Ctrl-C can land after a checkpoint's folder is renamed into place but before the trainer notes it
-        on_disk = [int(p.name.rsplit("_", 1)[1]) for p in step_dirs(trainer.run)]
-        saved = max([s for s in (saved, *on_disk) if s is not None], default=None)
-    if saved is None:
-        print(f"\nk3 {command}: interrupted at step {step}, before the first checkpoint; start again with: "
-              f"{_rerun_command(args, resume=False)}", file=sys.stderr)  # fmt: skip
-    else:
-        print(f"\nk3 {command}: interrupted at step {step}; resume with: {_rerun_command(args, resume=True)} "
-              f"(continues from step {saved}, the last checkpoint)", file=sys.stderr)  # fmt: skip
-    return EXIT_INTERRUPTED
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     """Train (or --resume) a K3 model; checkpoints, metrics.jsonl and tokenizer.json go to --out. With --nproc N
     (outside torchrun) the same command runs on N processes through torchrun (k3.train.distributed)."""
@@ -110,7 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer = Trainer(_train_args(args))
         summary = trainer.train()
     except KeyboardInterrupt:
-        return _interrupted("train", args, trainer)
+        return _interrupted("train", trainer, lambda resume: _rerun_command(args, resume))
     except RUN_ERRORS as e:
         return _run_error("train", e)
     _print_next(args, summary)
@@ -164,7 +145,11 @@ def _train_rank(args: argparse.Namespace) -> int:
         summary = trainer.train()
         finished = True
     except KeyboardInterrupt:
-        return _interrupted("train", args, trainer) if rank == "0" else EXIT_INTERRUPTED
+        return (
+            _interrupted("train", trainer, lambda resume: _rerun_command(args, resume))
+            if rank == "0"
+            else EXIT_INTERRUPTED
+        )
     except (PeerFailure, Stopped) as e:
         saved = None if trainer is None else trainer.saved_step
         where = "before the first checkpoint" if saved is None else f"the last checkpoint is step {saved}"
@@ -243,7 +228,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         summary = trainer.train()
         llm = LLM(str(out), memory_budget=64 << 20)
     except KeyboardInterrupt:
-        return _interrupted("quickstart", args, trainer)
+        return _interrupted("quickstart", trainer, lambda resume: _rerun_command(args, resume))
     except RUN_ERRORS as e:
         return _run_error("quickstart", e)
     print(f"\nvalidation loss: {summary['val_loss']:.3f} nats/token after {trainer.step} steps")
