@@ -25,6 +25,7 @@ from torch import nn
 
 from k3.model.moe import LatentMoE
 from k3.train.distributed import collective
+from k3.train.optim import routed_expert_weights
 
 
 class _AllToAll(torch.autograd.Function):
@@ -109,4 +110,5 @@ def shard_experts(model: nn.Module, ep_rank: int, ep_size: int, group=None) -> r
 
 def routed_expert_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of the routed experts this rank holds, in model order."""
-    return [(n, p) for n, p in model.named_parameters() if ".experts." in n and ".shared_experts." not in n]
+    routed = routed_expert_weights(model)  # the optimiser's rule, so sharding and parameter groups agree
+    return [(n, p) for n, p in model.named_parameters() if n in routed]

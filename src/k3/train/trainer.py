@@ -19,6 +19,7 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -299,8 +300,8 @@ class Trainer:
                              f"smaller --seq-len")  # fmt: skip
         return PackedSequences(tokens, self.args.seq_len, seed)
 
-    @property
-    def device(self) -> torch.device:
+    @cached_property
+    def device(self) -> torch.device:  # asked per micro-batch: CUDA's availability checked once
         return device()
 
     def _check_record(self, ckpt, train_docs, val_docs) -> tuple[RunRecord, list[str]]:
