@@ -204,8 +204,6 @@ class LLMEngine:
                 new[i] = verify(logits[rows[i]], list(p.proposals), seq.params, seq.draft_probs, seq.generator,
                                 self.eos_id)  # fmt: skip
                 self.spec_stats.record(len(p.proposals), len(new[i]) - 1)
-                seq.num_proposed_tokens += len(p.proposals)
-                seq.num_accepted_tokens += len(new[i]) - 1
         return new, rows
 
     def _postprocess(self, plan: StepPlan, logits: torch.Tensor, new_tokens: list[list[int]],

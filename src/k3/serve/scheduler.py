@@ -149,7 +149,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.remaining_prefill > 1 and seq not in draft.decode:
+            if seq.remaining_prefill > 1:  # (a decode row has one token left: never here)
                 budget -= self._prefill(seq, budget, draft)
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:

@@ -73,11 +73,9 @@ class Sequence:
         self.output_text = ""
         # speculative decoding: the draft's proposals for the tokens after the last one (the engine sets
         # them after each step, the scheduler plans their verification), the draft distributions they were
-        # drawn from (K, V) for a sampled request, and how many were proposed and accepted so far
+        # drawn from (K, V) for a sampled request (the counts of proposed and accepted tokens: SpecStats)
         self.draft_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None
-        self.num_proposed_tokens = 0
-        self.num_accepted_tokens = 0
 
     def __repr__(self) -> str:
         return (
