@@ -9,9 +9,10 @@ import pytest
 
 from k3.cli import main
 from k3.train.data import PackedSequences
-from k3.train.stages import Stage, TrainBatches, parse_stages, stage_at
+from k3.train.distributed import Parallel
+from k3.train.stages import Stage, TrainBatches, parse_stages, stage_at, stage_rows
 from k3.train.tokenizer import byte_tokenizer
-from k3.train.trainer import TrainArgs
+from k3.train.trainer import TrainArgs, Trainer
 from tiny_runs import tiny_train_args
 
 
@@ -57,6 +58,15 @@ def test_a_mix_too_long_for_the_sequences_is_refused_before_training(tmp_path, c
     args = tiny_train_args(tmp_path)
     assert main([*args, "--synthetic-ratio", "0.5", "--out", str(tmp_path / "run")]) == 2
     assert "does not fit in sequences of 32 tokens" in capsys.readouterr().err
+
+
+def test_a_stage_whose_rows_do_not_split_over_the_processes_is_refused_up_front(tmp_path):
+    # 4 rows of 64 tokens split over 2 processes, but a 256-token stage has 1 row: refused before any file
+    args = TrainArgs(out=str(tmp_path / "run"), preset="tiny", batch_size=4, seq_len=64, stages="64:2,256:2")
+    with pytest.raises(ValueError, match="256 tokens has 1 rows per micro-batch, which do not split over 2"):
+        Trainer(args, parallel=Parallel(rank=0, world_size=2))
+    assert not (tmp_path / "run").exists()
+    assert stage_rows(4, 64, 128) == 2 and stage_rows(4, 64, 256) == 1  # the rows the check counted
 
 
 def test_staged_run_resumed_mid_stage_matches_the_unbroken_run(tmp_path):

@@ -69,7 +69,7 @@ class TrainBatches:
         return self.stages[stage_at(self.stages, step)].seq_len if self.stages else self.base.seq_len
 
     def rows_at(self, step: int) -> int:
-        return max(1, self.batch_size * self.base.seq_len // self.seq_len_at(step))
+        return stage_rows(self.batch_size, self.base.seq_len, self.seq_len_at(step))
 
     def batch(self, step: int, position: int) -> torch.Tensor:
         """(rows_at(step), seq_len_at(step)) int64 token ids for the data position `position`."""
@@ -78,3 +78,8 @@ class TrainBatches:
             self._by_length[length] = PackedSequences(self.base.tokens.numpy(), length, self.base.seed)
         batch = self._by_length[length].batch(position, self.rows_at(step))
         return batch if self.mix is None else self.mix.apply(batch, position)
+
+
+def stage_rows(batch_size: int, seq_len: int, stage_len: int) -> int:
+    """Rows of a micro-batch at a stage of `stage_len` tokens: the tokens of batch_size × seq_len, at least one."""
+    return max(1, batch_size * seq_len // stage_len)

@@ -56,7 +56,7 @@ from k3.train.runinfo import (
     read_record,
     write_record,
 )
-from k3.train.stages import TrainBatches, parse_stages
+from k3.train.stages import TrainBatches, parse_stages, stage_rows
 from k3.train.tokenizer import K3Tokenizer, train_tokenizer
 
 TOKENIZER_SAMPLE_BYTES = 8_000_000  # BPE merges are learned from about this much of the training text
@@ -223,6 +223,13 @@ class Trainer:
         if args.batch_size % parallel.world_size:
             raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the number of processes "
                              f"({parallel.world_size}): each takes an equal share of every micro-batch")  # fmt: skip
+        for stage in parse_stages(args.stages) if args.stages else []:  # refused now, not hours in at that stage
+            rows = stage_rows(args.batch_size, args.seq_len, stage.seq_len)
+            if rows % parallel.world_size:
+                raise ValueError(
+                    f"--stages: the stage of {stage.seq_len} tokens has {rows} rows per micro-batch, "
+                    f"which do not split over {parallel.world_size} processes; raise --batch-size"
+                )
         if not main:
             parallel.barrier()  # rank 0 prepares the folder first
         ckpt = load_checkpoint(self.run, log=log) if args.resume else None
