@@ -45,7 +45,14 @@ def test_proposing_equals_the_training_unroll(mode):
     model = tiny_model(seed=2)
     draft = DraftModel(model.config, mode=mode, num_speculative_tokens=5).double().attach(model)
     tokens, g0 = torch.randint(0, 500, (3,)), torch.randn(3, model.config.hidden_size, dtype=torch.float64)
-    proposals, logits = draft.propose(tokens, g0, 5, lambda lg, j: lg.argmax(-1))
+    seen = []  # the logits each proposal was chosen from, caught by choose as the proposer's choose does
+
+    def choose(lg, j):
+        seen.append(lg)
+        return lg.argmax(-1)
+
+    proposals = draft.propose(tokens, g0, 5, choose)
+    logits = torch.stack(seen, dim=1)
     assert proposals.shape == (3, 5)
     unrolled = draft.unroll(torch.cat([tokens[:, None], proposals[:, :-1]], 1), g0)
     torch.testing.assert_close(unrolled, logits, rtol=0, atol=1e-12)

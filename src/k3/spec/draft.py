@@ -93,26 +93,23 @@ class DraftModel(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
 
-    def propose(self, tokens: torch.Tensor, g0: torch.Tensor, k: int, choose) -> tuple[torch.Tensor, torch.Tensor]:
-        """Proposals for N requests: tokens (N,) the big model's newest token, g0 (N, d) its features.
+    def propose(self, tokens: torch.Tensor, g0: torch.Tensor, k: int, choose) -> torch.Tensor:
+        """Proposals (N, k) for N requests: tokens (N,) the big model's newest token, g0 (N, d) its features.
 
         choose(logits (N, V), j) -> (N,) the proposal at slot j (argmax, or a draw from the request's
-        filtered distribution). Returns proposals (N, k) and the draft logits (N, k, V) they came from.
+        filtered distribution); whatever choose needs of the logits (a sampled row's q) it keeps itself.
         """
         if self.mode == "block":
             emb = torch.cat([self.embed_tokens(tokens)[:, None], self.mask_embedding.expand(len(tokens), k - 1, -1)], 1)
             logits = self.logits(self._layer(emb, g0[:, None].expand(-1, k, -1), None))  # (N, k, V)
-            out = torch.stack([choose(logits[:, j], j) for j in range(k)], dim=1)
-            return out, logits
-        cache, g, token, out, all_logits = MLALayerCache(), g0[:, None], tokens, [], []
+            return torch.stack([choose(logits[:, j], j) for j in range(k)], dim=1)
+        cache, g, token, out = MLALayerCache(), g0[:, None], tokens, []
         for j in range(k):
             h = self._layer(self.embed_tokens(token)[:, None], g, cache)  # (N, 1, d)
-            logits = self.logits(h[:, 0])
-            token = choose(logits, j)
+            token = choose(self.logits(h[:, 0]), j)
             out.append(token)
-            all_logits.append(logits)
             g = h
-        return torch.stack(out, dim=1), torch.stack(all_logits, dim=1)
+        return torch.stack(out, dim=1)
 
     def unroll(self, tokens: torch.Tensor, g0: torch.Tensor) -> torch.Tensor:
         """Training as at inference: tokens (N, k) the big model's own continuation (token₀ and the tokens

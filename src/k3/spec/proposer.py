@@ -63,7 +63,7 @@ class Proposer:
                     q_rows[i].append(q_S[r])
             return out
 
-        proposals, _ = self.draft.propose(tokens, g0, max(ks), choose)
+        proposals = self.draft.propose(tokens, g0, max(ks), choose)
         proposals = proposals.tolist()
         for i, (seq, k) in enumerate(zip(live, [ks[r] for r in rows], strict=True)):
             seq.draft_token_ids = proposals[i][:k]
