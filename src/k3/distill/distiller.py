@@ -40,15 +40,14 @@ from k3.train.corpus import load_corpus
 from k3.train.files import append_line, atomic_write, clean_stale_temp, latest_timeline, read_jsonl, repair_torn_tail
 from k3.train.optim import build_optimizer, lr_at, set_lr_factor
 from k3.train.tokenizer import K3Tokenizer
-from k3.train.trainer import device
+from k3.train.trainer import (
+    _arg,  # a flag field: its help is the CLI's
+    device,
+)
 
 OBJECTIVES = ("reverse-kl", "sft")
 SAMPLER_PREFIX = "sampler/"  # the sampler's weights in extra.safetensors when they are not the checkpoint's own
 KEPT_AS_GIVEN = ("out", "steps", "ckpt_every", "keep_last", "resume", "progress")  # not compared on --resume
-
-
-def _arg(default, text: str):
-    return field(default=default, metadata={"help": text})
 
 
 @dataclass
