@@ -70,20 +70,22 @@ def grid_positions(grids: list[tuple[int, int]], device=None) -> tuple[torch.Ten
     return torch.cat(rows), torch.cat(cols)
 
 
-def rope2d_angles(rows: torch.Tensor, cols: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """(N, Dh/2) rotation angles: the first Dh/4 pairs turn with the row, the last Dh/4 with the column,
-    each at frequencies theta^(-i/(Dh/4))."""
+def rope2d_angles(rows: torch.Tensor, cols: torch.Tensor, head_dim: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(cos, sin) of the (N, Dh/2) rotation angles, each (N, 1, Dh/2), computed once for every block: the first
+    Dh/4 pairs turn with the row, the last Dh/4 with the column, each at frequencies theta^(-i/(Dh/4))."""
     quarter = head_dim // 4
     inv_freq = ROPE_THETA ** -(torch.arange(quarter, dtype=torch.float64, device=rows.device) / quarter)
     angles = torch.cat([rows[:, None].double() * inv_freq, cols[:, None].double() * inv_freq], dim=-1)
-    return angles.to(dtype if dtype == torch.float64 else torch.float32)
+    angles = angles.to(dtype if dtype == torch.float64 else torch.float32)
+    return angles.cos()[:, None], angles.sin()[:, None]
 
 
-def apply_rope2d(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """x (N, Hh, Dh) with each adjacent pair (x[2i], x[2i+1]) rotated by angles (N, Dh/2)."""
+def apply_rope2d(x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x (N, Hh, Dh) with each adjacent pair (x[2i], x[2i+1]) rotated by rope2d_angles' (cos, sin)."""
     xf = x.float() if x.dtype != torch.float64 else x
     pairs = xf.unflatten(-1, (-1, 2))  # (N, Hh, Dh/2, 2)
-    cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # (N, 1, Dh/2)
+    cos, sin = rotation
     a, b = pairs[..., 0], pairs[..., 1]
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
 
@@ -151,10 +153,10 @@ class VisionBlock(nn.Module):
         self.norm1 = RMSNorm(d, NORM_EPS)
         self.mlp = VisionMLP(d, config.vt_intermediate_size)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x (N, D), angles (N, Dh/2), mask (N, N) bool -> (N, D)."""
+    def forward(self, x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """x (N, D), rotation (rope2d_angles' cos, sin), mask (N, N) bool -> (N, D)."""
         q, k, v = self.wqkv(self.norm0(x)).unflatten(-1, (3, self.heads, self.head_dim)).unbind(1)  # (N, Hh, Dh)
-        q, k = apply_rope2d(q, angles), apply_rope2d(k, angles)
+        q, k = apply_rope2d(q, rotation), apply_rope2d(k, rotation)
         # one call over the packed sequence with a block-diagonal mask: what a varlen kernel computes from
         # cu_seqlens; (Hh, N, Dh) layout for SDPA
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
@@ -168,9 +170,9 @@ class VisionEncoder(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.vt_num_hidden_layers))
         self.final_layernorm = RMSNorm(config.vt_hidden_size, NORM_EPS)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x, angles, mask)
+            x = block(x, rotation, mask)
         return self.final_layernorm(x)
 
 
@@ -187,9 +189,9 @@ class VisionTower(nn.Module):
         dtype = self.patch_embed.proj.weight.dtype
         patches, grids, cu_seqlens = patchify([im.to(dtype) for im in images], self.config)
         rows, cols = grid_positions(grids, patches.device)
-        angles = rope2d_angles(rows, cols, self.config.head_dim, dtype)
+        rotation = rope2d_angles(rows, cols, self.config.head_dim, dtype)
         mask = same_image_mask(cu_seqlens, patches.device)
-        return self.encoder(self.patch_embed(patches, grids), angles, mask), grids
+        return self.encoder(self.patch_embed(patches, grids), rotation, mask), grids
 
 
 def merge_patches(features: torch.Tensor, grids: list[tuple[int, int]], kernel: tuple[int, int]) -> torch.Tensor:
