@@ -578,9 +578,9 @@ class Trainer:
         set_lr_factor(self.optimizer, factor)
         loss_sum = 0.0
         for _ in range(a.grad_accum):
-            batch = self.batches.batch(self.step, self.position).to(self.device)
+            batch = self.batches.batch(self.step, self.position)
             self.position += batch.shape[0]
-            batch = self.parallel.rows(batch)
+            batch = self.parallel.rows(batch).to(self.device)  # this rank's rows only travel to the device
             with self.autocast():
                 out = self.pm.forward(batch, labels=batch)
             (out.loss / a.grad_accum).backward()
