@@ -198,11 +198,13 @@ class LLMEngine:
             tokens = sample(logits[at], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
             for i, t in zip(plain, tokens, strict=True):
                 new[i] = [t]
+        greedy = [i for i, p in enumerate(pieces) if isinstance(p, VerifyRow) and p.seq.params.greedy]
+        best = logits.argmax(-1).tolist() if greedy else None  # every greedy verify row's argmax, one device read
         for i, p in enumerate(pieces):
             if isinstance(p, VerifyRow):
                 seq = p.seq
                 new[i] = verify(logits[rows[i]], list(p.proposals), seq.params, seq.draft_probs, seq.generator,
-                                self.eos_id)  # fmt: skip
+                                self.eos_id, None if best is None else [best[r] for r in rows[i]])  # fmt: skip
                 self.spec_stats.record(len(p.proposals), len(new[i]) - 1)
         return new, rows
 

@@ -30,10 +30,9 @@ def request_probs(logits_RV: torch.Tensor, params: SamplingParams) -> torch.Tens
     return filtered_probs(logits_RV.to(dtype) / params.temperature, top_k, top_p)
 
 
-def accept_greedy(big_logits_KV: torch.Tensor, proposals_K: list[int]) -> list[int]:
-    """big_logits (K+1, V) at the verified positions, proposals K tokens -> the new tokens: the agreeing
-    prefix of the proposals, then the big model's token where they first differ (or the bonus token)."""
-    best = big_logits_KV.argmax(dim=-1).tolist()
+def accept_greedy(best: list[int], proposals_K: list[int]) -> list[int]:
+    """best: the big model's argmax at the K+1 verified positions, proposals K tokens -> the new tokens: the
+    agreeing prefix of the proposals, then the big model's token where they first differ (or the bonus token)."""
     n = 0
     while n < len(proposals_K) and proposals_K[n] == best[n]:
         n += 1
@@ -64,11 +63,12 @@ def accept_sampled(p_KV: torch.Tensor, q_KV: torch.Tensor, proposals_K: list[int
 
 def verify(big_logits_KV: torch.Tensor, proposals_K: list[int], params: SamplingParams,
            draft_probs_KV: torch.Tensor | None, generator: torch.Generator | None,
-           eos_token_id: int | None = None) -> list[int]:  # fmt: skip
+           eos_token_id: int | None = None, best: list[int] | None = None) -> list[int]:  # fmt: skip
     """One verify row: the big model's logits (K+1, V) at its positions -> the tokens it emits, cut after
-    the first one that ends the request (eos unless ignore_eos, a stop token id): nothing after it exists."""
+    the first one that ends the request (eos unless ignore_eos, a stop token id): nothing after it exists.
+    best: the argmax of those logits when the caller took it for the whole step at once (one device read)."""
     if params.greedy:
-        tokens = accept_greedy(big_logits_KV, proposals_K)
+        tokens = accept_greedy(big_logits_KV.argmax(-1).tolist() if best is None else best, proposals_K)
     else:
         if draft_probs_KV is None or len(draft_probs_KV) < len(proposals_K):
             raise ValueError("sampled proposals need the draft distributions they were drawn from")
