@@ -28,6 +28,14 @@ def test_train_writes_a_loadable_vision_run(vl_run, capsys):
     assert "already holds a run" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", [["--expert-optimizer", "adamw"], ["--qat", "mxfp4"], ["--balancer", "fixed"],
+                                  ["--grad-accum", "2"], ["--resume"]])  # fmt: skip
+def test_flags_the_image_text_trainer_does_not_apply_are_refused(tmp_path, capsys, flag):
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "small-vl", "--steps", "1", "--out", str(out), "--no-progress", *flag]) == 2
+    assert flag[0] in capsys.readouterr().err and not out.exists()
+
+
 def test_generate_answers_about_an_image(vl_run, tmp_path, capsys):
     path = tmp_path / "shapes.png"
     example("eval", 0).image.save(path)

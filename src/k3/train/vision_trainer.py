@@ -20,7 +20,7 @@ refused by name.
 
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,12 +96,19 @@ def batch_loss(model: K3Model, items: list[Encoded], pad_id: int):
     return model(ids, labels=labels, image_embeds=embeds)
 
 
+# The TrainArgs this trainer reads; any other flag set away from its default is refused, not silently ignored.
+USED_FLAGS = {"out", "preset", "steps", "batch_size", "lr", "min_lr_ratio", "warmup", "schedule", "weight_decay",
+              "clip", "eval_every", "eval_batches", "keep_last", "seed", "balancer", "qb_bins", "progress"}  # fmt: skip
+
+
 def _check(args) -> None:
-    refused = {"resume": args.resume, "init_from": args.init_from, "data": args.data, "val_data": args.val_data}
-    for name, value in refused.items():
-        if value:
-            raise ValueError(f"--{name.replace('_', '-')}: the image-text trainer (--preset {args.preset}) starts a "
+    for f in fields(args):
+        if f.name not in USED_FLAGS and getattr(args, f.name) != f.default:
+            raise ValueError(f"--{f.name.replace('_', '-')}: the image-text trainer (--preset {args.preset}) starts a "
                              f"fresh run on generated images; it does not take this flag yet")  # fmt: skip
+    if args.balancer == "fixed":
+        raise ValueError(f"--balancer fixed: the image-text trainer (--preset {args.preset}) balances with quantile "
+                         f"or none")  # fmt: skip
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or step_dirs(out)):
         raise ValueError(f"--out {out} already holds a run (or is a file): choose a new --out")
