@@ -98,7 +98,7 @@ def sample(
     alone from it (so a seeded row never depends on its neighbours); rows without one share a single
     draw from torch's global RNG.
     """
-    B, V = logits_BV.shape
+    B = len(logits_BV)
     if len(params) != B or len(generators) != B:
         raise ValueError(
             f"need one SamplingParams and one generator per row: B={B}, got {len(params)} and {len(generators)}"
@@ -109,10 +109,7 @@ def sample(
         return tokens_B
     device = logits_BV.device
     rows_S = torch.tensor(rows, device=device)
-    temperature_S = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device)
-    top_k_S = torch.tensor([params[i].top_k if params[i].top_k > 0 else V for i in rows], device=device).clamp(max=V)
-    top_p_S = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
-    probs_SV = filtered_probs(logits_BV[rows_S].float() / temperature_S[:, None], top_k_S, top_p_S)
+    probs_SV = request_probs(logits_BV[rows_S], [params[i] for i in rows], torch.float32)
 
     drawn_S = torch.empty(len(rows), dtype=torch.long, device=device)
     shared = [j for j, i in enumerate(rows) if generators[i] is None]
@@ -124,6 +121,20 @@ def sample(
             drawn_S[j] = torch.multinomial(probs_SV[j], 1, generator=generators[i])[0]
     tokens_B[rows_S] = drawn_S
     return tokens_B
+
+
+def request_probs(logits_SV: torch.Tensor, params_S: list[SamplingParams],
+                  dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """(S, V) logits, one SamplingParams per row -> (S, V) the distributions those rows sample from:
+    temperature, then top-k, then top-p (the one rule of sampling, speculative decoding's draft and
+    verification included), in `dtype` (default: the logits' dtype, at least fp32)."""
+    V = logits_SV.shape[1]
+    device = logits_SV.device
+    dtype = dtype or torch.promote_types(logits_SV.dtype, torch.float32)
+    temperature_S = torch.tensor([p.temperature for p in params_S], dtype=dtype, device=device)
+    top_k_S = torch.tensor([p.top_k if p.top_k > 0 else V for p in params_S], device=device).clamp(max=V)
+    top_p_S = torch.tensor([p.top_p for p in params_S], dtype=torch.float32, device=device)
+    return filtered_probs(logits_SV.to(dtype) / temperature_S[:, None], top_k_S, top_p_S)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ plans the verify row.
 
 import torch
 
-from k3.model.sampling import filtered_probs
+from k3.serve.sampling import request_probs
 from k3.serve.sequence import Sequence
 from k3.spec.draft import DraftModel
 
@@ -45,19 +45,13 @@ class Proposer:
         tokens = torch.tensor([seq.last_token_id for seq in live], device=device)
         sampled = [i for i, seq in enumerate(live) if not seq.params.greedy]
         q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in sampled}
-        if sampled:
-            V = self.draft.config.vocab_size
-            at = torch.tensor(sampled, device=device)
-            temperature = torch.tensor([live[i].params.temperature for i in sampled], device=device)
-            top_k = torch.tensor([live[i].params.top_k if live[i].params.top_k > 0 else V for i in sampled],
-                                 device=device).clamp(max=V)  # fmt: skip
-            top_p = torch.tensor([live[i].params.top_p for i in sampled], dtype=torch.float32, device=device)
+        at = torch.tensor(sampled, device=device)
+        params_S = [live[i].params for i in sampled]
 
         def choose(logits: torch.Tensor, j: int) -> torch.Tensor:
             out = logits.argmax(dim=-1)
             if sampled:
-                logits_S = logits[at].to(torch.promote_types(logits.dtype, torch.float32))
-                q_S = filtered_probs(logits_S / temperature[:, None].to(logits_S.dtype), top_k, top_p)
+                q_S = request_probs(logits[at], params_S)
                 for r, i in enumerate(sampled):  # each request draws from its own generator
                     out[i] = torch.multinomial(q_S[r], 1, generator=live[i].generator)[0]
                     q_rows[i].append(q_S[r])

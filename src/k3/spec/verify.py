@@ -16,18 +16,7 @@ Shape suffixes: K proposals, V vocabulary.
 
 import torch
 
-from k3.model.sampling import filtered_probs
-from k3.serve.sampling import SamplingParams
-
-
-def request_probs(logits_RV: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(R, V) logits of one request's positions -> (R, V) the distribution it samples from (temperature,
-    then top-k, then top-p), in fp32 (fp64 for fp64 logits)."""
-    R, V = logits_RV.shape
-    dtype = torch.promote_types(logits_RV.dtype, torch.float32)
-    top_k = torch.full((R,), params.top_k if params.top_k > 0 else V, device=logits_RV.device).clamp(max=V)
-    top_p = torch.full((R,), params.top_p, dtype=torch.float32, device=logits_RV.device)
-    return filtered_probs(logits_RV.to(dtype) / params.temperature, top_k, top_p)
+from k3.serve.sampling import SamplingParams, request_probs
 
 
 def accept_greedy(best: list[int], proposals_K: list[int]) -> list[int]:
@@ -72,7 +61,7 @@ def verify(big_logits_KV: torch.Tensor, proposals_K: list[int], params: Sampling
     else:
         if draft_probs_KV is None or len(draft_probs_KV) < len(proposals_K):
             raise ValueError("sampled proposals need the draft distributions they were drawn from")
-        p = request_probs(big_logits_KV[: len(proposals_K) + 1], params)
+        p = request_probs(big_logits_KV[: len(proposals_K) + 1], [params] * (len(proposals_K) + 1))
         tokens = accept_sampled(p, draft_probs_KV[: len(proposals_K)], proposals_K, generator)
     for i, t in enumerate(tokens):
         if (t == eos_token_id and not params.ignore_eos) or t in params.stop_token_ids:
