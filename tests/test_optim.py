@@ -118,7 +118,7 @@ def test_per_head_blocks_are_independent():
 
 def test_same_shaped_params_batched_as_if_alone(monkeypatch):
     """The optimiser stacks same-shaped matrices into batched calls (in chunks); each still gets its own update."""
-    monkeypatch.setattr(muon, "NS_BATCH_ELEMENTS", 2 * 12 * 20)  # two matrices per call: chunks 2 + 1
+    monkeypatch.setitem(muon.NS_BATCH_ELEMENTS, "cpu", 2 * 12 * 20)  # two matrices per call: chunks 2 + 1
     W, G = randn(3, 12, 20, seed=1), randn(3, 12, 20, seed=2)
     params = [nn.Parameter(w.clone()) for w in W]
     for p, g in zip(params, G, strict=True):
