@@ -11,27 +11,8 @@ from k3.config import K3Config
 from k3.model.cache import GroupedLayerCache, KDALayerCache, sequence_mixing
 from k3.model.derived import DerivedWeight
 from k3.model.norm import RMSNorm
+from k3.model.short_conv import causal_conv
 from k3.ops.kda import chunk_kda, fused_recurrent_kda
-
-
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution + SiLU over time.
-
-    x: (B, T, C); weight: (C, 1, kernel) as nn.Conv1d keeps it; tail: (B, C, kernel−1) inputs
-    preceding x (zeros when None).
-    returns y (B, T, C) and the new tail (B, C, kernel−1) for the next call.
-
-    Written as kernel shifted multiply-adds: a tiny kernel over many channels, where CPU conv1d's
-    backward loops over channels one by one.
-    """
-    B, T, C = x.shape
-    w = weight.shape[-1]
-    past = tail.transpose(1, 2).to(x.dtype) if tail is not None else x.new_zeros(B, w - 1, C)
-    full = torch.cat([past, x], dim=1)  # (B, w−1+T, C)
-    taps = weight.view(C, w).t()  # (w, C): tap j multiplies the input j steps into the window
-    # one window (decoding): one product and one sum; else one shifted product per tap
-    y = (full * taps).sum(1, keepdim=True) if T == 1 else sum(full[:, j : j + T] * taps[j] for j in range(w))
-    return F.silu(y), full[:, full.shape[1] - (w - 1) :].transpose(1, 2)
 
 
 class KimiDeltaAttention(nn.Module):
