@@ -22,6 +22,7 @@ from k3.model.norm import RMSNorm
 from k3.model.router import RouterOutput
 from k3.model.situ import GatedMLP
 from k3.model.vision import PatchMergerProjector, VisionTower, place_image_tokens
+from k3.ops.cross_entropy import cross_entropy
 from k3.ops.numerics import at_least_fp32
 
 
@@ -190,8 +191,9 @@ class K3Model(nn.Module):
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            # predict token t+1 from position t; -100 marks positions without a target
-            loss = F.cross_entropy(
-                at_least_fp32(logits[:, :-1].flatten(0, 1)), labels[:, 1:].flatten(), ignore_index=-100
-            )
+            # predict token t+1 from position t; -100 marks positions without a target. The labels move, not
+            # the logits: slicing off the last position would copy the (B, T, vocab) logits, and its backward
+            # would fill and copy a tensor of that size again.
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            loss = cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
         return K3Output(logits, loss, routing)
