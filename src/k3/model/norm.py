@@ -4,7 +4,7 @@
     dx = rstd · (dy·w − x̂ · mean(dy·w · x̂)),   dw = Σ dy · x̂,   x̂ = x · rstd
 
 Autograd through the composed formula ran ~8 passes over x in the backward (PowBackward, MeanBackward,
-two MulBackward) and saved x and x̂; this saves x (in its own dtype) and rstd, and recomputes x̂.
+two MulBackward) and saved x and x̂; this saves x (in its own dtype) and rstd, recomputes x̂, and writes 2 tensors.
 """
 
 import torch
@@ -50,14 +50,17 @@ class _RMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         xf = at_least_fp32(x)
         dy = dy.to(xf.dtype)
+        w = weight.to(xf.dtype)
+        D = x.shape[-1]
         x_hat = torch.mul(xf, rstd)
-        dx = dw = None
-        if ctx.needs_input_grad[1]:
-            dw = torch.mul(dy, x_hat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        dy_x_hat = torch.mul(dy, x_hat).reshape(-1, D)
+        dw = dy_x_hat.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        dx = None
         if ctx.needs_input_grad[0]:
-            dyw = torch.mul(dy, weight.to(xf.dtype))
-            c = torch.linalg.vecdot(dyw, x_hat, dim=-1).unsqueeze(-1).mul_(rstd).div_(-x.shape[-1])
-            dx = dyw.mul_(rstd).addcmul_(x_hat, c).to(x.dtype)  # rstd·dyw − x̂ · rstd·mean(dyw·x̂)
+            # mean(dy·w·x̂) as a matrix-vector product over the dy·x̂ that dw needed anyway (vecdot allocated
+            # its own product); then dx = rstd·(dy·w − x̂·mean) written over x̂
+            mean = (dy_x_hat @ w).reshape(*x.shape[:-1], 1).div_(-D)
+            dx = x_hat.mul_(mean).addcmul_(dy, w).mul_(rstd).to(x.dtype)
         return dx, dw, None
 
 
