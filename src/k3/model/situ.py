@@ -60,14 +60,15 @@ class _SiTU(torch.autograd.Function):
         dy = dy.to(t1.dtype)
         e = torch.addcmul(t1.new_zeros(()), dy, t2, value=b1 * b2)  # β₁β₂·dy·t₂
         dg = du = None
-        if ctx.needs_input_grad[1]:
-            du = torch.addcmul(dy, e, t2, value=-1 / (b1 * b2)).mul_(t1).mul_(s).mul_(b1)  # dy(1 − t₂²)·t₁·s·β₁
-            du = du.sum_to_size(u_shape).to(u_dtype)
         if ctx.needs_input_grad[0]:
             # t₁(1 − s) + (1 − t₁²)/β₁, in that order: every partial sum stays O(1), so fp32 loses no more
             # than autograd through the formula does (folding β₁β₂ in first cost two digits)
             dg = torch.addcmul(t1, t1, s, value=-1).addcmul_(t1, t1, value=-1 / b1).add_(1 / b1)
             dg = dg.mul_(s).mul_(e).sum_to_size(g_shape).to(g_dtype)
+        if ctx.needs_input_grad[1]:
+            # dy·(1 − t₂²)·t₁·s·β₁, written over e (a fresh (..., I) tensor costs page faults, not only a pass)
+            du = torch.addcmul(dy, e, t2, value=-1 / (b1 * b2), out=e).mul_(t1).mul_(s).mul_(b1)
+            du = du.sum_to_size(u_shape).to(u_dtype)
         return dg, du, None, None
 
 
