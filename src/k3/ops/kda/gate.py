@@ -2,6 +2,11 @@
 
 - `kda_gate`: the per-channel log-decay g from the raw forget-gate projection.
 - `l2norm`: the q/k normalisation of the public kernels, x / sqrt(Σx² + 1e-6).
+
+`l2norm` is an autograd Function with a hand-written backward when a gradient is needed (autograd through
+the formula ran ~6 element-wise passes, each into a fresh tensor); its formula stays beside it as
+`l2norm_reference`, the spec the fast path is tested against. It saves its own output, which the chunked
+op saves too, so it keeps no extra activation alive.
 """
 
 import torch
@@ -14,10 +19,46 @@ from k3.ops.numerics import at_least_fp32
 MIN_LOWER_BOUND = -5.0
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(Σx² + eps) over the last dim, computed in fp32 (or fp64) and cast back."""
+def l2norm_reference(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The formula as written, autograd through every op."""
     xf = at_least_fp32(x)
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x (..., D) -> x / sqrt(Σx² + eps) over the last dim, computed in fp32 (or fp64) and cast back."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _L2Norm.apply(x, eps)
+    xf = at_least_fp32(x)
+    return torch.mul(xf, _rstd(xf, eps)).to(x.dtype)
+
+
+def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """(..., D) -> (..., 1): 1/sqrt(Σx² + eps); vector_norm reads x once and allocates no x²."""
+    return torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().add_(eps).rsqrt_()
+
+
+class _L2Norm(torch.autograd.Function):
+    """y = x̂ = x·rstd;  dx = rstd·(dy − x̂·Σ(dy·x̂)).  Saves x̂ (the output, when it is in the compute
+    dtype; x otherwise, so a bf16 output's rounding does not enter the gradient) and rstd."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = at_least_fp32(x)
+        rstd = _rstd(xf, eps)
+        y = torch.mul(xf, rstd)
+        ctx.x_hat_saved = y.dtype == x.dtype
+        ctx.save_for_backward(y if ctx.x_hat_saved else x, rstd)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        saved, rstd = ctx.saved_tensors
+        x_hat = saved if ctx.x_hat_saved else torch.mul(at_least_fp32(saved), rstd)
+        dy = dy.to(x_hat.dtype)
+        dot = torch.linalg.vecdot(dy, x_hat).unsqueeze_(-1).neg_()
+        dx = torch.mul(x_hat, dot).add_(dy).mul_(rstd)
+        return dx.to(saved.dtype), None
 
 
 def check_lower_bound(lower_bound: float | None) -> None:
