@@ -143,7 +143,8 @@ def prepare(
     if flags.use_gate_in_kernel:
         g = kda_gate(g, A_log, dt_bias, flags.lower_bound).to(dt)
     if flags.use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta) * (2.0 if flags.allow_neg_eigval else 1.0)
+        # no product by 1.0 in the usual case: it was one more pass and fresh tensor, and a MulBackward
+        beta = torch.sigmoid(beta) * 2.0 if flags.allow_neg_eigval else torch.sigmoid(beta)
     groups = v.shape[2] // q.shape[2]
     if groups > 1:
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
