@@ -9,6 +9,17 @@ running sum inside the current block (absent before the block's first sublayer).
 sublayer's pseudo-query, zero-initialised so every source starts with equal weight, with its own
 RMSNorm gain. The softmax over sources is taken in fp32; the weights sum to one, so the hidden
 state's scale stays bounded with depth.
+
+Training runs it as one autograd Function with a hand-written backward. With g = w ⊙ γ, a_s = v_s · g,
+r_s = 1/rms(v_s), logit_s = a_s · r_s, p = softmax_s(logit), h = Σ_s p_s v_s and dh the incoming gradient:
+
+    dp_s = dh · v_s,   dl_s = p_s (dp_s − Σ_t p_t dp_t)
+    dv_s = p_s dh + dl_s r_s g − dl_s a_s r_s³ / d · v_s,   dg = Σ_{tokens, s} dl_s r_s v_s
+    dw = dg ⊙ γ,   dγ = dg ⊙ w
+
+Autograd through the composed form ran ~10 small ops per source and as many backward nodes (mv, pow, mean,
+rsqrt, mul, addcmul, each with its own pass over v); the Function saves only references to the sources
+(the stream keeps them alive anyway) and three (S, B, T) rows of statistics.
 """
 
 import torch
@@ -18,26 +29,96 @@ from k3.model.norm import RMSNorm
 from k3.ops.numerics import at_least_fp32
 
 
-def attn_res(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
+def attn_res_reference(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
+    """The equation as written, autograd through every op: the spec `attn_res` is tested against.
+    sources: S tensors (B, T, d) -> (B, T, d)."""
+    vf = at_least_fp32(torch.stack(sources))  # (S, B, T, d)
+    normed = vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.to(vf.dtype)
+    logits = normed @ proj.weight[0].to(vf.dtype)  # (S, B, T): w · RMSNorm(v_s)
+    weights = torch.softmax(logits, dim=0)
+    return (weights[..., None] * vf).sum(0).to(sources[0].dtype)
+
+
+def source_rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """(B, T, d) -> (B, T) in at least fp32: 1/sqrt(mean(v²) + eps), with no gradient of its own: `attn_res`'s
+    backward accounts for it. vector_norm reads v once and allocates no v²."""
+    with torch.no_grad():
+        vf = at_least_fp32(v)
+        return torch.linalg.vector_norm(vf, dim=-1).square_().div_(v.shape[-1]).add_(eps).rsqrt_()
+
+
+def attn_res(
+    sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm, rstd: list[torch.Tensor | None] | None = None
+) -> torch.Tensor:
     """sources: S tensors (B, T, d) -> (B, T, d). proj: the pseudo-query w as a (d -> 1) linear map,
-    norm: its key RMSNorm (`*_res_proj`, `*_res_norm` in the released checkpoint).
+    norm: its key RMSNorm (`*_res_proj`, `*_res_norm` in the released checkpoint). rstd: each source's
+    `source_rstd` under norm.eps where the caller already has it (None: computed here).
 
     w · RMSNorm(v) = (v · (w ⊙ γ)) / rms(v): one dot product and one mean square per source, with no
-    stacked (S, B, T, d) copy and no normalised copy of every source, which dominated this function's
-    cost when it was written literally.
+    stacked (S, B, T, d) copy and no normalised copy of every source.
     """
     if len(sources) == 1:
         return sources[0]
-    wg = proj.weight[0] * norm.weight  # (d,)
-    logits = []
-    for v in sources:
-        vf = at_least_fp32(v)
-        logits.append((vf @ wg.to(vf.dtype)) * torch.rsqrt(vf.pow(2).mean(-1) + norm.eps))  # (B, T)
-    weights = torch.softmax(at_least_fp32(torch.stack(logits)), dim=0).to(sources[0].dtype)  # (S, B, T)
-    out = sources[0] * weights[0].unsqueeze(-1)
-    for v, w in zip(sources[1:], weights[1:], strict=True):
-        out = torch.addcmul(out, v, w.unsqueeze(-1))
-    return out
+    rstd = tuple(rstd) if rstd is not None else (None,) * len(sources)
+    if torch.is_grad_enabled() and (
+        proj.weight.requires_grad or norm.weight.requires_grad or any(v.requires_grad for v in sources)
+    ):
+        return _AttnRes.apply(proj.weight, norm.weight, norm.eps, rstd, *sources)
+    return _forward(proj.weight, norm.weight, norm.eps, rstd, sources)[0]
+
+
+def _forward(weight, gamma, eps, rstd, sources):
+    """-> h (B, T, d) in the sources' dtype, and p, a, r (S, B·T) in at least fp32 (see the module docstring)."""
+    d = sources[0].shape[-1]
+    v0 = at_least_fp32(sources[0])
+    g = (weight[0] * gamma).to(v0.dtype)
+    a = v0.new_empty(len(sources), v0.numel() // d)
+    r = torch.empty_like(a)
+    for s, v in enumerate(sources):
+        vf = at_least_fp32(v).reshape(-1, d)
+        torch.linalg.vecdot(vf, g, out=a[s])  # 1.6x faster than mv here (B·T x d row-major, one thread)
+        r[s] = (source_rstd(v, eps) if rstd[s] is None else rstd[s]).reshape(-1)
+    p = torch.softmax(a * r, dim=0)  # (S, N) in fp32 (or fp64)
+    pv = p.to(sources[0].dtype).reshape(len(sources), *sources[0].shape[:-1], 1)
+    h = torch.mul(sources[0], pv[0])
+    for v, ps in zip(sources[1:], pv[1:], strict=True):
+        h.addcmul_(v, ps)
+    return h, p, a, r
+
+
+class _AttnRes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, gamma, eps, rstd, *sources):
+        h, p, a, r = _forward(weight, gamma, eps, rstd, sources)
+        ctx.save_for_backward(weight, gamma, p, a, r, *sources)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        weight, gamma, p, a, r, *sources = ctx.saved_tensors
+        d = dh.shape[-1]
+        dhf = at_least_fp32(dh).reshape(-1, d)
+        # dp_s = dh · v_s, as a product written into what becomes dv_s and a sum: mul + sum beat vecdot and bmm
+        dv = [torch.mul(dhf, at_least_fp32(v).reshape(-1, d)) for v in sources]
+        dp = torch.stack([x.sum(-1) for x in dv])  # (S, N)
+        dl = p * (dp - (p * dp).sum(0))
+        c1 = dl * r  # the coefficient of g, and of v_s in dg
+        c2 = c1 * a * r * r / -d  # the coefficient of v_s through r_s
+        g = (weight[0] * gamma).to(dhf.dtype)
+        dg = g.new_zeros(1, d)
+        grads = []
+        for s, v in enumerate(sources):
+            vf = at_least_fp32(v).reshape(-1, d)
+            dg.addmm_(c1[s : s + 1], vf)  # as a (1, N) @ (N, d) product: 1.4x faster than addmv over vf.T
+            if ctx.needs_input_grad[4 + s]:
+                x = torch.mul(dhf, p[s, :, None], out=dv[s])
+                x.addcmul_(vf, c2[s, :, None]).addr_(c1[s], g)
+                grads.append(x.to(v.dtype).reshape(v.shape))
+            else:
+                grads.append(None)
+        dweight = (dg * gamma.to(dg.dtype)).to(weight.dtype) if ctx.needs_input_grad[0] else None
+        dgamma = (dg[0] * weight[0].to(dg.dtype)).to(gamma.dtype) if ctx.needs_input_grad[1] else None
+        return dweight, dgamma, None, None, *grads
 
 
 class ResidualStream:
@@ -81,6 +162,9 @@ class AttnResStream:
         # the completed blocks stacked (S, B, T, d) with 1 / rms of each (S, B, T): neither depends on
         # the sublayer's query, so they are built once per block, not once per sublayer
         self._stacked: tuple[torch.Tensor, torch.Tensor, float] | None = None
+        # likewise each completed block's source_rstd for attn_res, under the eps they were taken with
+        self._rstd: list[torch.Tensor] = []
+        self._rstd_eps: float | None = None
 
     def begin_layer(self, index: int) -> None:
         if index in self.block_starts and self.partial is not None:
@@ -91,8 +175,18 @@ class AttnResStream:
         """The next sublayer's input under its pseudo-query (proj, norm): (B, T, d)."""
         x, single = self.blocks[0], len(self.blocks) == 1 and self.partial is None
         if single or torch.is_grad_enabled() or x.shape[0] * x.shape[1] > STACK_TOKENS:
-            return attn_res(self.blocks if self.partial is None else [*self.blocks, self.partial], *query)
+            rstd = self._block_rstd(query[1].eps)
+            if self.partial is None:
+                return attn_res(self.blocks, *query, rstd=rstd)
+            return attn_res([*self.blocks, self.partial], *query, rstd=[*rstd, None])
         return self._stacked_input(*query)
+
+    def _block_rstd(self, eps: float) -> list[torch.Tensor]:
+        """source_rstd of every completed block, (B, T) each, computed once per block (and eps)."""
+        if eps != self._rstd_eps:
+            self._rstd, self._rstd_eps = [], eps
+        self._rstd += [source_rstd(b, eps) for b in self.blocks[len(self._rstd) :]]
+        return self._rstd
 
     def _stacked_input(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
         """attn_res over the stacked completed blocks and the partial sum, the same sum in fewer ops."""
