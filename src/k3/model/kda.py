@@ -10,6 +10,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.cache import GroupedLayerCache, KDALayerCache, sequence_mixing
 from k3.model.derived import DerivedWeight
+from k3.model.gated_norm import gated_rms_norm
 from k3.model.norm import RMSNorm
 from k3.model.short_conv import causal_conv
 from k3.ops.kda import chunk_kda, fused_recurrent_kda
@@ -70,8 +71,8 @@ class KimiDeltaAttention(nn.Module):
         gate_out = g_a if hasattr(self, "g_proj") else self.g_b_proj(g_a)
         g_raw = self.f_b_proj(f_a).view(B, T, H, K)
         o = sequence_mixing(cache, self.mix, qkv, g_raw, beta_raw)  # (B, T, H, V)
-        gate = torch.sigmoid(gate_out.view(B, T, H, V))
-        return self.o_proj((self.o_norm(o) * gate).reshape(B, T, H * V))
+        gated = gated_rms_norm(o, self.o_norm.weight, gate_out.view(B, T, H, V), self.o_norm.eps)
+        return self.o_proj(gated.reshape(B, T, H * V))
 
     def _input_weights(self) -> list[torch.Tensor]:
         """The weights of every projection that reads x: q, k, v, the forget gate's first factor, beta,
