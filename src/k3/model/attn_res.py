@@ -39,35 +39,23 @@ def attn_res_reference(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNo
     return (weights[..., None] * vf).sum(0).to(sources[0].dtype)
 
 
-def source_rstd(v: torch.Tensor, eps: float) -> torch.Tensor:
-    """(B, T, d) -> (B, T) in at least fp32: 1/sqrt(mean(v²) + eps), with no gradient of its own: `attn_res`'s
-    backward accounts for it. vector_norm reads v once and allocates no v²."""
-    with torch.no_grad():
-        vf = at_least_fp32(v)
-        return torch.linalg.vector_norm(vf, dim=-1).square_().div_(v.shape[-1]).add_(eps).rsqrt_()
-
-
-def attn_res(
-    sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm, rstd: list[torch.Tensor | None] | None = None
-) -> torch.Tensor:
+def attn_res(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
     """sources: S tensors (B, T, d) -> (B, T, d). proj: the pseudo-query w as a (d -> 1) linear map,
-    norm: its key RMSNorm (`*_res_proj`, `*_res_norm` in the released checkpoint). rstd: each source's
-    `source_rstd` under norm.eps where the caller already has it (None: computed here).
+    norm: its key RMSNorm (`*_res_proj`, `*_res_norm` in the released checkpoint).
 
     w · RMSNorm(v) = (v · (w ⊙ γ)) / rms(v): one dot product and one mean square per source, with no
     stacked (S, B, T, d) copy and no normalised copy of every source.
     """
     if len(sources) == 1:
         return sources[0]
-    rstd = tuple(rstd) if rstd is not None else (None,) * len(sources)
     if torch.is_grad_enabled() and (
         proj.weight.requires_grad or norm.weight.requires_grad or any(v.requires_grad for v in sources)
     ):
-        return _AttnRes.apply(proj.weight, norm.weight, norm.eps, rstd, *sources)
-    return _forward(proj.weight, norm.weight, norm.eps, rstd, sources)[0]
+        return _AttnRes.apply(proj.weight, norm.weight, norm.eps, *sources)
+    return _forward(proj.weight, norm.weight, norm.eps, sources)[0]
 
 
-def _forward(weight, gamma, eps, rstd, sources):
+def _forward(weight, gamma, eps, sources):
     """-> h (B, T, d) in the sources' dtype, and p, a, r (S, B·T) in at least fp32 (see the module docstring)."""
     d = sources[0].shape[-1]
     v0 = at_least_fp32(sources[0])
@@ -77,7 +65,8 @@ def _forward(weight, gamma, eps, rstd, sources):
     for s, v in enumerate(sources):
         vf = at_least_fp32(v).reshape(-1, d)
         torch.linalg.vecdot(vf, g, out=a[s])  # 1.6x faster than mv here (B·T x d row-major, one thread)
-        r[s] = (source_rstd(v, eps) if rstd[s] is None else rstd[s]).reshape(-1)
+        torch.linalg.vector_norm(vf, dim=-1, out=r[s])  # reads v once, allocates no v²
+    r.square_().div_(d).add_(eps).rsqrt_()
     p = torch.softmax(a * r, dim=0)  # (S, N) in fp32 (or fp64)
     pv = p.to(sources[0].dtype).reshape(len(sources), *sources[0].shape[:-1], 1)
     h = torch.mul(sources[0], pv[0])
@@ -88,8 +77,8 @@ def _forward(weight, gamma, eps, rstd, sources):
 
 class _AttnRes(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, weight, gamma, eps, rstd, *sources):
-        h, p, a, r = _forward(weight, gamma, eps, rstd, sources)
+    def forward(ctx, weight, gamma, eps, *sources):
+        h, p, a, r = _forward(weight, gamma, eps, sources)
         ctx.save_for_backward(weight, gamma, p, a, r, *sources)
         return h
 
@@ -110,7 +99,7 @@ class _AttnRes(torch.autograd.Function):
         for s, v in enumerate(sources):
             vf = at_least_fp32(v).reshape(-1, d)
             dg.addmm_(c1[s : s + 1], vf)  # as a (1, N) @ (N, d) product: 1.4x faster than addmv over vf.T
-            if ctx.needs_input_grad[4 + s]:
+            if ctx.needs_input_grad[3 + s]:
                 x = torch.mul(dhf, p[s, :, None], out=dv[s])
                 x.addcmul_(vf, c2[s, :, None]).addr_(c1[s], g)
                 grads.append(x.to(v.dtype).reshape(v.shape))
@@ -118,7 +107,7 @@ class _AttnRes(torch.autograd.Function):
                 grads.append(None)
         dweight = (dg * gamma.to(dg.dtype)).to(weight.dtype) if ctx.needs_input_grad[0] else None
         dgamma = (dg[0] * weight[0].to(dg.dtype)).to(gamma.dtype) if ctx.needs_input_grad[1] else None
-        return dweight, dgamma, None, None, *grads
+        return dweight, dgamma, None, *grads
 
 
 class ResidualStream:
@@ -162,9 +151,6 @@ class AttnResStream:
         # the completed blocks stacked (S, B, T, d) with 1 / rms of each (S, B, T): neither depends on
         # the sublayer's query, so they are built once per block, not once per sublayer
         self._stacked: tuple[torch.Tensor, torch.Tensor, float] | None = None
-        # likewise each completed block's source_rstd for attn_res, under the eps they were taken with
-        self._rstd: list[torch.Tensor] = []
-        self._rstd_eps: float | None = None
 
     def begin_layer(self, index: int) -> None:
         if index in self.block_starts and self.partial is not None:
@@ -175,18 +161,8 @@ class AttnResStream:
         """The next sublayer's input under its pseudo-query (proj, norm): (B, T, d)."""
         x, single = self.blocks[0], len(self.blocks) == 1 and self.partial is None
         if single or torch.is_grad_enabled() or x.shape[0] * x.shape[1] > STACK_TOKENS:
-            rstd = self._block_rstd(query[1].eps)
-            if self.partial is None:
-                return attn_res(self.blocks, *query, rstd=rstd)
-            return attn_res([*self.blocks, self.partial], *query, rstd=[*rstd, None])
+            return attn_res(self.blocks if self.partial is None else [*self.blocks, self.partial], *query)
         return self._stacked_input(*query)
-
-    def _block_rstd(self, eps: float) -> list[torch.Tensor]:
-        """source_rstd of every completed block, (B, T) each, computed once per block (and eps)."""
-        if eps != self._rstd_eps:
-            self._rstd, self._rstd_eps = [], eps
-        self._rstd += [source_rstd(b, eps) for b in self.blocks[len(self._rstd) :]]
-        return self._rstd
 
     def _stacked_input(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
         """attn_res over the stacked completed blocks and the partial sum, the same sum in fewer ops."""
