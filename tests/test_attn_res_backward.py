@@ -145,6 +145,14 @@ def test_no_grad_path_gives_the_same_values():
     assert h.grad_fn is None and h.equal(attn_res(sources, proj, norm).detach())
 
 
+def test_mismatched_shapes_raise_a_readable_error():
+    sources, proj, norm = inputs(3, seed=60)
+    with pytest.raises(ValueError, match=r"got sources \(2, 5, 7\), \(2, 5, 7\), \(2, 4, 7\)"):
+        attn_res([*sources[:2], sources[2][:, :4]], proj, norm)
+    with pytest.raises(ValueError, match=r"query \(1, 6\), gain \(7,\)"):
+        attn_res(sources, nn.Linear(6, 1, bias=False).double(), norm)
+
+
 def model_loss_and_grads(seed: int = 0):
     model = tiny_model(seed).train()
     with torch.no_grad():  # non-trivial key-norm gains, so their gradient path is exercised

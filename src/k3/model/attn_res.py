@@ -48,6 +48,13 @@ def attn_res(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> tor
     """
     if len(sources) == 1:
         return sources[0]
+    d = sources[0].shape[-1]
+    if any(v.shape != sources[0].shape for v in sources) or proj.weight.shape != (1, d) or norm.weight.shape != (d,):
+        shapes = ", ".join(str(tuple(v.shape)) for v in sources)
+        raise ValueError(
+            f"attn_res needs sources of one shape (..., d) and a (1, d) query with a (d,) norm gain: got sources "
+            f"{shapes}, query {tuple(proj.weight.shape)}, gain {tuple(norm.weight.shape)}"
+        )
     if torch.is_grad_enabled() and (
         proj.weight.requires_grad or norm.weight.requires_grad or any(v.requires_grad for v in sources)
     ):
