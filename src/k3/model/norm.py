@@ -28,10 +28,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, eps)
     xf = at_least_fp32(x)
-    return torch.mul(xf, _rstd(xf, eps)).mul_(weight.to(xf.dtype)).to(x.dtype)
+    return torch.mul(xf, inverse_rms(xf, eps)).mul_(weight.to(xf.dtype)).to(x.dtype)
 
 
-def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
+def inverse_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
     """(..., D) -> (..., 1): 1/sqrt(mean(x²) + eps). vector_norm reads x once and allocates no x² (half the
     time of pow + mean); squaring the norm costs one rounding."""
     return torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(xf.shape[-1]).add_(eps).rsqrt_()
@@ -41,7 +41,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = at_least_fp32(x)
-        rstd = _rstd(xf, eps)
+        rstd = inverse_rms(xf, eps)
         ctx.save_for_backward(x, weight, rstd)
         return torch.mul(xf, rstd).mul_(weight.to(xf.dtype)).to(x.dtype)
 
