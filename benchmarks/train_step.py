@@ -4,6 +4,7 @@ also runs its Quantile Balancing update, which is part of its step).
 
     python benchmarks/train_step.py               # batches of 8 and 32 × 256 tokens, fp32, 2 threads
     python benchmarks/train_step.py --markdown    # also print the table for docs/benchmarks.md
+    python benchmarks/train_step.py --k3-expert-optimizer muon adamw   # one K3 row per routed-expert optimiser
 
 MFU = model FLOPs per token × tokens/s ÷ the fp32 matmul rate measured in this run, with model
 FLOPs = 3 × the forward FLOPs (forward + backward): 2 per active matmul weight, plus attention over
@@ -61,9 +62,9 @@ def llama_flops_per_token(c: LlamaConfig, context: int) -> int:
     return 2 * weights + L * 2 * 2 * d * context
 
 
-def bench(model, batch: torch.Tensor, steps: int, balancer=None) -> tuple[float, float]:
+def bench(model, batch: torch.Tensor, steps: int, balancer=None, **optimizer_args) -> tuple[float, float]:
     """Median seconds per training step, and the median share of it spent in the optimiser."""
-    optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
+    optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1, **optimizer_args)
     step_s, opt_s = [], []
     for i in range(steps + 1):  # the first step warms up allocators and caches
         t0 = time.perf_counter()
@@ -91,6 +92,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per model per round")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the table shows medians")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--k3-expert-optimizer", nargs="+", default=["muon"], choices=["muon", "muon-active", "adamw"],
+                   help="K3's routed-expert optimiser (k3 train --expert-optimizer); one K3 row for each")  # fmt: skip
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -120,18 +123,21 @@ def main() -> None:
     for bs in args.batch_size:
         batch = torch.randint(0, config.vocab_size, (bs, args.seq_len))
         tokens = batch.numel()
-        k3_runs, llama_runs = [], []
-        for r in range(args.rounds):  # alternate so drift on a shared machine hits both alike
-            k3_runs.append(bench(k3_model, batch, args.steps, QuantileBalancer(k3_model)))
+        k3_runs = {algo: [] for algo in args.k3_expert_optimizer}
+        llama_runs = []
+        for r in range(args.rounds):  # alternate so drift on a shared machine hits every row alike
+            for algo, runs in k3_runs.items():
+                runs.append(bench(k3_model, batch, args.steps, QuantileBalancer(k3_model), expert_optimizer=algo))
             llama_runs.append(bench(llama, batch, args.steps))
-            print(f"batch {bs}, round {r + 1}: K3 {tokens / k3_runs[-1][0]:.0f} tok/s, "
-                  f"Llama {tokens / llama_runs[-1][0]:.0f} tok/s", flush=True)  # fmt: skip
-        k3_step, ll_step = (statistics.median(s for s, _ in runs) for runs in (k3_runs, llama_runs))
-        k3_opt, ll_opt = (statistics.median(o for _, o in runs) for runs in (k3_runs, llama_runs))
-        rows = [
-            ("K3 small", report["active"], k3_flops, k3_step, k3_opt, f"{ll_step / k3_step:.2f}×"),
-            ("Llama (HF transformers)", llama_params, llama_flops, ll_step, ll_opt, ""),
-        ]
+            k3_rates = ", ".join(f"K3 ({algo}) {tokens / runs[-1][0]:.0f}" for algo, runs in k3_runs.items())
+            print(f"batch {bs}, round {r + 1}: {k3_rates}, Llama {tokens / llama_runs[-1][0]:.0f} tok/s", flush=True)
+        ll_step, ll_opt = (statistics.median(x[i] for x in llama_runs) for i in (0, 1))
+        rows = []
+        for algo, runs in k3_runs.items():
+            step, opt = (statistics.median(x[i] for x in runs) for i in (0, 1))
+            name = "K3 small" + ("" if algo == "muon" else f", experts {algo}")
+            rows.append((name, report["active"], k3_flops, step, opt, f"{ll_step / step:.2f}×"))
+        rows.append(("Llama (HF transformers)", llama_params, llama_flops, ll_step, ll_opt, ""))
         for name, params, flops, step, opt, ratio in rows:
             tps = tokens / step
             lines.append(f"| {bs} × {args.seq_len} ({tokens}) | {name} | {params / 1e6:.2f}M | {flops / 1e6:.1f}M "
