@@ -11,7 +11,7 @@ from k3.model import attn_res as attn_res_module
 from k3.model.attn_res import AttnResStream, attn_res, attn_res_reference
 from k3.model.norm import RMSNorm
 from k3.ops.numerics import at_least_fp32
-from tiny_models import tiny_model
+from tiny_models import loss_and_grads, tiny_model
 
 B, T, D = 2, 5, 7
 
@@ -161,15 +161,12 @@ def test_mismatched_shapes_raise_a_readable_error():
 
 
 def model_loss_and_grads(seed: int = 0):
-    model = tiny_model(seed).train()
+    model = tiny_model(seed)
     with torch.no_grad():  # non-trivial key-norm gains, so their gradient path is exercised
         for name, p in model.named_parameters():
             if "_res_norm" in name:
                 p.uniform_(0.5, 1.5)
-    ids = torch.randint(0, 512, (2, 19), generator=torch.Generator().manual_seed(seed))
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss_and_grads(model, seed)
 
 
 def test_tiny_model_loss_and_gradients_unchanged(monkeypatch):

@@ -7,7 +7,7 @@ import torch
 
 import k3.model.kda as kda_module
 from k3.model.gated_norm import gated_rms_norm, gated_rms_norm_reference
-from tiny_models import tiny_model
+from tiny_models import loss_and_grads, tiny_model
 
 EPS = 1e-6
 
@@ -75,11 +75,7 @@ def test_bf16_values_and_gradients():
 
 
 def model_loss_and_grads(seed: int = 0):
-    model = tiny_model(seed).train()
-    ids = torch.randint(0, 512, (2, 19), generator=torch.Generator().manual_seed(seed))
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss_and_grads(tiny_model(seed), seed)
 
 
 def test_tiny_model_loss_and_gradients_unchanged(monkeypatch):

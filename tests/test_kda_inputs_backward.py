@@ -7,7 +7,7 @@ import torch
 
 import k3.ops.kda.inputs as kda_inputs
 from k3.ops.kda.gate import kda_gate, kda_gate_reference, l2norm, l2norm_reference
-from tiny_models import tiny_model
+from tiny_models import loss_and_grads, tiny_model
 
 SHAPES = [(2, 5, 3, 7), (1, 1, 1, 1), (3, 4, 2, 16)]
 
@@ -140,11 +140,7 @@ def test_meta_device():
 
 
 def model_loss_and_grads(seed: int = 0):
-    model = tiny_model(seed).train()
-    ids = torch.randint(0, 512, (2, 19), generator=torch.Generator().manual_seed(seed))
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss_and_grads(tiny_model(seed), seed)
 
 
 def test_tiny_model_loss_and_gradients_unchanged(monkeypatch):

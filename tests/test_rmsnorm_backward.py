@@ -5,7 +5,7 @@ import torch
 
 from k3 import K3Config, K3Model
 from k3.model.norm import RMSNorm, rms_norm, rms_norm_reference
-from tiny_models import tiny_model
+from tiny_models import loss_and_grads, tiny_model
 
 SHAPES = [(3, 5, 7), (2, 1, 13), (1, 4), (2, 3, 2, 5)]
 
@@ -106,11 +106,7 @@ def test_meta_device_model_builds_and_its_norms_run():
 
 
 def model_loss_and_grads(seed: int = 0):
-    model = tiny_model(seed).train()
-    ids = torch.randint(0, 512, (2, 19), generator=torch.Generator().manual_seed(seed))
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss_and_grads(tiny_model(seed), seed)
 
 
 def test_tiny_model_loss_and_gradients_unchanged(monkeypatch):

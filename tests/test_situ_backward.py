@@ -5,7 +5,7 @@ import torch
 
 import k3.model.situ as situ_module
 from k3.model.situ import situ, situ_reference
-from tiny_models import tiny_model
+from tiny_models import loss_and_grads, tiny_model
 
 SHAPES = [(3, 5, 7), (2, 1, 13), (1,)]
 
@@ -87,11 +87,7 @@ def test_no_grad_builds_no_graph_and_matches():
 
 
 def model_loss_and_grads(seed: int = 0):
-    model = tiny_model(seed).train()
-    ids = torch.randint(0, 512, (2, 19), generator=torch.Generator().manual_seed(seed))
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss_and_grads(tiny_model(seed), seed)
 
 
 def test_tiny_model_loss_and_gradients_unchanged(monkeypatch):
