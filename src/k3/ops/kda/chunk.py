@@ -132,6 +132,8 @@ class ChunkTerms:
     U: torch.Tensor  # (BH, n, C, V) M βv
     W: torch.Tensor  # (BH, n, C, K) M βkΓ
     q_decay: torch.Tensor  # (BH, n, C, K) q · scale · Γ
+    k_decay: torch.Tensor  # (BH, n, C, K) k · Γ
+    to_end: torch.Tensor  # (BH, n, C, K) Γ_C / Γ
     kd: torch.Tensor  # (BH, n, C, K) k · Γ_C / Γ: each token's key decayed to the chunk's end
     decay_end: torch.Tensor  # (BH, n, K, 1) Γ_C
     exact: bool  # the in-chunk products were materialised per channel (steep unbounded gates)
@@ -154,9 +156,10 @@ def _chunk_terms(q, k, v, g, beta, scale: float, C: int) -> ChunkTerms:
     eye = torch.eye(C, dtype=q.dtype, device=q.device)
     M = torch.linalg.solve_triangular(Akk * bc, eye, upper=False, unitriangular=True)
     Tinv = M * bc.transpose(-1, -2)
-    kd = kc * _exp(G[:, :, -1:] - G)
-    return ChunkTerms(qc, kc, vc, bc, G, decay, Akk, Aqk, M, Tinv @ vc, Tinv @ (kc * decay), qc * decay, kd,
-                      decay[:, :, -1].unsqueeze(-1), exact)  # fmt: skip
+    k_decay = kc * decay
+    to_end = _exp(G[:, :, -1:] - G)
+    return ChunkTerms(qc, kc, vc, bc, G, decay, Akk, Aqk, M, Tinv @ vc, Tinv @ k_decay, qc * decay, k_decay, to_end,
+                      kc * to_end, decay[:, :, -1].unsqueeze(-1), exact)  # fmt: skip
 
 
 def _groups(B: int, H: int, C: int, K: int, V: int, NC: int) -> list[tuple[int, int]]:
