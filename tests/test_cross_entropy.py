@@ -60,3 +60,18 @@ def test_shape_mismatch_is_readable():
     logits, targets = _inputs(4, 7)
     with pytest.raises(ValueError, match=r"logits \(N, vocab\) and targets \(N,\)"):
         cross_entropy(logits, targets[:3])
+
+
+def test_infinite_logits_behave_like_torch():
+    """A row at -inf everywhere but its target (masked logits): the same loss and gradient as torch's."""
+    logits, targets = _inputs(3, 6, seed=3)
+    with torch.no_grad():
+        logits[0] = float("-inf")
+        logits[0, targets[0]] = 2.0
+    for fn in (cross_entropy, reference):
+        assert torch.isfinite(fn(logits, targets))
+    torch.testing.assert_close(cross_entropy(logits, targets), reference(logits, targets), rtol=0, atol=1e-13)
+    torch.testing.assert_close(
+        torch.autograd.grad(cross_entropy(logits, targets), logits)[0],
+        torch.autograd.grad(reference(logits, targets), logits)[0], rtol=0, atol=1e-14,
+    )  # fmt: skip

@@ -25,7 +25,7 @@ class _CrossEntropy(torch.autograd.Function):
         count = valid.sum()
         # ignored rows read column 0; any other target out of range makes gather raise, as torch's loss does
         columns = targets.masked_fill(~valid, 0)[:, None]  # (N, 1)
-        lse = torch.cat([torch.logsumexp(block, dim=-1) for block in logits.split(_rows(logits))])  # (N,)
+        lse = _logsumexp(logits)  # (N,)
         picked = logits.gather(1, columns).squeeze(1)
         loss = torch.where(valid, lse - picked, 0.0).sum() / count  # nan when nothing is valid, as torch's
         ctx.save_for_backward(logits, columns, lse, valid, count)
@@ -43,6 +43,22 @@ class _CrossEntropy(torch.autograd.Function):
             torch.sub(logits[rows], lse[rows, None], out=grad[rows]).exp_().mul_(scale[rows, None])
         grad.scatter_add_(1, columns, -(valid.to(grad.dtype) * scale)[:, None])
         return grad, None, None
+
+
+def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """(N, vocab) -> (N,), block by block through one reused buffer (torch.logsumexp allocates its
+    temporaries per call: twice the time here). A row's max is taken as 0 when infinite, as torch's."""
+    lse = logits.new_empty(len(logits))
+    step = _rows(logits)
+    buf = logits.new_empty(min(step, len(logits)), logits.shape[1])
+    for start in range(0, len(logits), step):
+        block = logits[start : start + step]
+        top = block.amax(-1, keepdim=True)
+        top.masked_fill_(top.isinf(), 0)
+        out = lse[start : start + step]
+        torch.sum(torch.sub(block, top, out=buf[: len(block)]).exp_(), -1, out=out)
+        out.log_().add_(top.squeeze(-1))
+    return lse
 
 
 def _rows(logits: torch.Tensor) -> int:
