@@ -98,3 +98,11 @@ def test_tiny_model_loss_and_gradients_unchanged(monkeypatch):
     assert grads.keys() == grads_ref.keys() and len(grads) > 20
     for name, grad in grads.items():
         torch.testing.assert_close(grad, grads_ref[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_broadcasting_operands_take_the_formula():
+    g = torch.randn(1, 6, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    y = situ(g, u)
+    torch.testing.assert_close(y, situ_reference(g, u), rtol=0, atol=0)
+    assert torch.autograd.gradcheck(situ, (g, u))

@@ -24,9 +24,9 @@ rsqrt, mul, addcmul, each with its own pass over v); the Function saves only ref
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from k3.model.norm import RMSNorm
+from k3.ops.autograd import first_derivative_only
 from k3.ops.numerics import at_least_fp32
 
 
@@ -91,7 +91,7 @@ class _AttnRes(torch.autograd.Function):
         return h
 
     @staticmethod
-    @once_differentiable  # written with in-place ops for one backward; a second derivative raises instead
+    @first_derivative_only  # written with in-place ops for one backward
     def backward(ctx, dh):
         weight, gamma, p, a, r, *sources = ctx.saved_tensors
         d = dh.shape[-1]

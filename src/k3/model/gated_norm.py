@@ -10,6 +10,7 @@ x as well as s; this writes 2 and 4 and keeps x (its own input, which the chunke
 import torch
 
 from k3.model.norm import inverse_rms, rms_norm_reference
+from k3.ops.autograd import first_derivative_only
 from k3.ops.numerics import at_least_fp32
 
 
@@ -43,6 +44,7 @@ class _GatedRMSNorm(torch.autograd.Function):
         return torch.mul(xf, rstd).mul_(weight.to(xf.dtype)).mul_(s).to(x.dtype)
 
     @staticmethod
+    @first_derivative_only
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, rstd, s = ctx.saved_tensors
         xf = at_least_fp32(x)

@@ -10,6 +10,7 @@ two MulBackward) and saved x and x̂; this saves x (in its own dtype) and rstd, 
 import torch
 from torch import nn
 
+from k3.ops.autograd import first_derivative_only
 from k3.ops.numerics import at_least_fp32
 
 
@@ -46,6 +47,7 @@ class _RMSNorm(torch.autograd.Function):
         return torch.mul(xf, rstd).mul_(weight.to(xf.dtype)).to(x.dtype)
 
     @staticmethod
+    @first_derivative_only
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, rstd = ctx.saved_tensors
         xf = at_least_fp32(x)

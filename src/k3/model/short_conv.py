@@ -9,6 +9,8 @@ pay autograd's padded copies (one zero-filled (B, T+w−1, C) gradient per tap p
 import torch
 import torch.nn.functional as F
 
+from k3.ops.autograd import first_derivative_only
+
 
 def causal_conv_reference(
     x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None
@@ -61,6 +63,7 @@ class _ShortConvSiLU(torch.autograd.Function):
         return F.silu(_pre_activation(x, taps, past), inplace=True)
 
     @staticmethod
+    @first_derivative_only
     def backward(ctx, dy: torch.Tensor):
         x, taps, past = ctx.saved_tensors
         T, w = x.shape[1], taps.shape[0]

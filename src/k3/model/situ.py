@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3.ops.autograd import first_derivative_only
 from k3.ops.numerics import at_least_fp32
 
 
@@ -25,6 +26,8 @@ def situ(g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float = 25
 
     Called once per routed expert, on the shared experts and on the dense layer, the composed formula
     cost ~9 element-wise passes forward and twice that in autograd's backward, and saved ~6 tensors."""
+    if g.shape != u.shape:  # broadcasting operands: the formula as written (the model never broadcasts them)
+        return situ_reference(g, u, beta1, beta2)
     if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
         return _SiTU.apply(g, u, beta1, beta2)
     return _situ_parts(at_least_fp32(g), at_least_fp32(u), beta1, beta2)[0].to(g.dtype)
@@ -50,13 +53,14 @@ class _SiTU(torch.autograd.Function):
     def forward(ctx, g: torch.Tensor, u: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
         y, t1, s, t2 = _situ_parts(at_least_fp32(g), at_least_fp32(u), beta1, beta2)
         ctx.save_for_backward(t1, s, t2)
-        ctx.beta, ctx.dtypes, ctx.shapes = (beta1, beta2), (g.dtype, u.dtype), (g.shape, u.shape)
+        ctx.beta, ctx.dtypes = (beta1, beta2), (g.dtype, u.dtype)
         return y.to(g.dtype)
 
     @staticmethod
+    @first_derivative_only
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         t1, s, t2 = ctx.saved_tensors
-        (b1, b2), (g_dtype, u_dtype), (g_shape, u_shape) = ctx.beta, ctx.dtypes, ctx.shapes
+        (b1, b2), (g_dtype, u_dtype) = ctx.beta, ctx.dtypes
         dy = dy.to(t1.dtype)
         e = torch.addcmul(t1.new_zeros(()), dy, t2, value=b1 * b2)  # β₁β₂·dy·t₂
         dg = du = None
@@ -64,11 +68,11 @@ class _SiTU(torch.autograd.Function):
             # t₁(1 − s) + (1 − t₁²)/β₁, in that order: every partial sum stays O(1), so fp32 loses no more
             # than autograd through the formula does (folding β₁β₂ in first cost two digits)
             dg = torch.addcmul(t1, t1, s, value=-1).addcmul_(t1, t1, value=-1 / b1).add_(1 / b1)
-            dg = dg.mul_(s).mul_(e).sum_to_size(g_shape).to(g_dtype)
+            dg = dg.mul_(s).mul_(e).to(g_dtype)
         if ctx.needs_input_grad[1]:
             # dy·(1 − t₂²)·t₁·s·β₁, written over e (a fresh (..., I) tensor costs page faults, not only a pass)
             du = torch.addcmul(dy, e, t2, value=-1 / (b1 * b2), out=e).mul_(t1).mul_(s).mul_(b1)
-            du = du.sum_to_size(u_shape).to(u_dtype)
+            du = du.to(u_dtype)
         return dg, du, None, None
 
 

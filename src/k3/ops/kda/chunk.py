@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from k3.ops.autograd import first_derivative_only
 from k3.ops.kda.backend import kernels, on_device, resolve
 from k3.ops.kda.inputs import KDAFlags, check_inputs, prepare, seq_bounds
 
@@ -261,6 +262,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         return o, final
 
     @staticmethod
+    @first_derivative_only
     def backward(ctx, do, dfinal):
         from k3.ops.kda.chunk_bwd import chunk_kda_bwd
 

@@ -12,6 +12,7 @@ op saves too, so they keep no extra activation alive.
 import torch
 import torch.nn.functional as F
 
+from k3.ops.autograd import first_derivative_only
 from k3.ops.numerics import at_least_fp32
 
 # The chunked algorithm is proven safe for decays down to e^-5 per token per channel (see chunk.py);
@@ -52,6 +53,7 @@ class _L2Norm(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
+    @first_derivative_only
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         saved, rstd = ctx.saved_tensors
         x_hat = saved if ctx.x_hat_saved else torch.mul(at_least_fp32(saved), rstd)
