@@ -12,7 +12,7 @@ from k3.model.norm import rms_norm
 from k3.model.short_conv import causal_conv
 from k3.model.situ import situ
 from k3.ops.cross_entropy import cross_entropy
-from k3.ops.kda.gate import l2norm
+from k3.ops.kda.gate import kda_gate, l2norm
 
 
 def _x(*shape, seed=0):
@@ -23,6 +23,7 @@ CASES = {
     "rms_norm": lambda x: rms_norm(x, torch.rand(7, dtype=torch.float64) + 0.5, 1e-6),
     "gated_rms_norm": lambda x: gated_rms_norm(x, torch.rand(7, dtype=torch.float64) + 0.5, _x(3, 5, 7, seed=1), 1e-6),
     "l2norm": l2norm,
+    "kda_gate": lambda x: kda_gate(x, _x(5, seed=8), _x(35, seed=9), -5.0),
     "situ": lambda x: situ(x, _x(3, 5, 7, seed=2)),
     "short_conv": lambda x: causal_conv(x, _x(7, 1, 4, seed=3), None)[0],
     "attn_res": lambda x: attn_res([x, _x(3, 5, 7, seed=4)], nn.Linear(7, 1, bias=False).double(),

@@ -154,6 +154,7 @@ class _BoundedGate(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_derivative_only
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         g_raw, A_log, dt_bias, y = ctx.saved_tensors
         H, K = y.shape[-2:]
