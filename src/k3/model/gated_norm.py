@@ -9,9 +9,9 @@ x as well as s; this writes 2 and 4 and keeps x (its own input, which the chunke
 
 import torch
 
-from k3.model.norm import inverse_rms, rms_norm_reference
+from k3.model.norm import rms_norm_reference
 from k3.ops.autograd import first_derivative_only
-from k3.ops.numerics import at_least_fp32
+from k3.ops.numerics import at_least_fp32, inverse_norm
 
 
 def gated_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,14 +30,14 @@ def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, ep
         return _GatedRMSNorm.apply(x, weight, gate, eps)
     xf = at_least_fp32(x)
     s = torch.sigmoid(gate.to(xf.dtype))
-    return torch.mul(xf, inverse_rms(xf, eps)).mul_(weight.to(xf.dtype)).mul_(s).to(x.dtype)
+    return torch.mul(xf, inverse_norm(xf, eps, mean=True)).mul_(weight.to(xf.dtype)).mul_(s).to(x.dtype)
 
 
 class _GatedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
         xf = at_least_fp32(x)
-        rstd = inverse_rms(xf, eps)
+        rstd = inverse_norm(xf, eps, mean=True)
         s = torch.sigmoid(gate.to(xf.dtype))
         ctx.save_for_backward(x, weight, rstd, s)
         ctx.gate_dtype = gate.dtype

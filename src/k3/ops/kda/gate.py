@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.autograd import first_derivative_only
-from k3.ops.numerics import at_least_fp32
+from k3.ops.numerics import at_least_fp32, inverse_norm
 
 # The chunked algorithm is proven safe for decays down to e^-5 per token per channel (see chunk.py);
 # fla's `safe_gate` path enforces the same range.
@@ -31,12 +31,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return _L2Norm.apply(x, eps)
     xf = at_least_fp32(x)
-    return torch.mul(xf, _rstd(xf, eps)).to(x.dtype)
-
-
-def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
-    """(..., D) -> (..., 1): 1/sqrt(Σx² + eps); vector_norm reads x once and allocates no x²."""
-    return torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().add_(eps).rsqrt_()
+    return torch.mul(xf, inverse_norm(xf, eps)).to(x.dtype)
 
 
 class _L2Norm(torch.autograd.Function):
@@ -46,7 +41,7 @@ class _L2Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
         xf = at_least_fp32(x)
-        rstd = _rstd(xf, eps)
+        rstd = inverse_norm(xf, eps)
         y = torch.mul(xf, rstd)
         ctx.x_hat_saved = y.dtype == x.dtype
         ctx.save_for_backward(y if ctx.x_hat_saved else x, rstd)
