@@ -7,7 +7,7 @@ The same value and gradient as `F.cross_entropy(z, y, ignore_index=...)` (`refer
 log_softmax (saving an N × vocab log-probability tensor for its backward), then nll_loss, whose backward
 fills an N × vocab zero tensor and scatters into it before log_softmax's backward reads both. Here the
 forward keeps only the logits (which the LM head produced anyway) and one log-sum-exp per row, and the
-backward writes the gradient once. Both work on blocks of rows of about 4 MiB: a whole-tensor
+backward writes the gradient once. On a CPU both work on blocks of rows of about 4 MiB: a whole-tensor
 logsumexp allocates vocabulary-wide temporaries, and on a CPU the first touch of each fresh page of those
 costs as much as the arithmetic. On a small model's training step the vocabulary-wide tensors are its
 largest; this takes the loss's forward+backward from 0.22 to ~0.1 s at 8192 × 8192 (2 threads) and keeps
