@@ -1,5 +1,6 @@
-"""Serving sampler: parameter validation, greedy, per-request seeds independent of the batch, top-k and
-top-p support, the temperature-scaled distribution, and stop strings in a stream.
+"""Serving sampler: parameter validation, greedy, per-request seeds independent of the batch and of the
+order of the draws (each position its own stream), top-k and top-p support, the temperature-scaled
+distribution, values at the edges of every range, and stop strings in a stream.
 
 Shape suffixes: B rows, V vocabulary, N draws.
 """
@@ -10,7 +11,7 @@ import random
 import pytest
 import torch
 
-from k3.serve.sampling import SamplingParams, StopChecker, make_generator, sample
+from k3.serve.sampling import SAMPLING_EPS, SamplingParams, StopChecker, position_noise, sample, stream_seed
 
 
 @pytest.mark.parametrize(
@@ -43,20 +44,30 @@ def test_params_normalise():
     assert p.stop == ("a", "b") and p.stop_token_ids == (3, 4) and p.greedy
     assert SamplingParams(stop="END").stop == ("END",)
     assert hash(p) == hash(SamplingParams(stop=("a", "b"), stop_token_ids=(3, 4), top_k=-1, temperature=0))
-    assert make_generator(None, "cpu") is None
-    g1, g2 = make_generator(7, "cpu"), make_generator(7, "cpu")
-    assert torch.equal(torch.rand(4, generator=g1), torch.rand(4, generator=g2))
+    assert SamplingParams(temperature=SAMPLING_EPS / 2).greedy and not SamplingParams(temperature=SAMPLING_EPS).greedy
+    assert SamplingParams(seed=1).coupled and not SamplingParams().coupled
+    assert not SamplingParams(seed=1, temperature=0).coupled
+
+
+def test_position_noise_is_a_function_of_seed_and_position():
+    a = position_noise(7, [0, 1, 2, 40], 50)
+    assert a.shape == (4, 50) and a.dtype == torch.float32 and bool((a > 0).all())
+    assert torch.equal(a[3:], position_noise(7, [40], 50))  # row 40 alone: the same values, whatever came before
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[0], position_noise(8, [0], 50)[0])
+    # nearby seeds and positions give unrelated streams (a bijective mix, not seed + position)
+    assert len({stream_seed(s, n) for s in range(50) for n in range(50)}) == 2500
+    assert stream_seed(1, 0) != stream_seed(0, 1)
 
 
 def test_greedy_is_argmax():
     logits_BV = torch.randn(5, 50, generator=torch.Generator().manual_seed(0)).bfloat16()
     params = [SamplingParams(temperature=0)] * 5
-    assert torch.equal(sample(logits_BV, params, [None] * 5), logits_BV.argmax(-1))
+    assert torch.equal(sample(logits_BV, params, [0] * 5), logits_BV.argmax(-1))
 
 
 def test_row_count_mismatch():
-    with pytest.raises(ValueError, match="one SamplingParams and one generator per row"):
-        sample(torch.zeros(2, 4), [SamplingParams()], [None, None])
+    with pytest.raises(ValueError, match="one SamplingParams and one position per row"):
+        sample(torch.zeros(2, 4), [SamplingParams()], [0, 0])
 
 
 def test_seeded_row_independent_of_batch():
@@ -67,30 +78,58 @@ def test_seeded_row_independent_of_batch():
     mine = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234)
     others = [SamplingParams(temperature=0), SamplingParams(temperature=1.3, seed=5), SamplingParams(top_p=0.5)]
 
-    alone_g = make_generator(mine.seed, "cpu")
-    alone = [sample(step[2:3], [mine], [alone_g]).item() for step in logits]
+    alone = [sample(step[2:3], [mine], [n]).item() for n, step in enumerate(logits)]
 
     params = [others[0], others[1], mine, others[2]]
-    gens = [make_generator(p.seed, "cpu") for p in params]
-    batched = [sample(step, params, gens)[2].item() for step in logits]
+    batched = [sample(step, params, [n, 3, n, 0])[2].item() for n, step in enumerate(logits)]
     assert alone == batched
+    # each position has its own stream: drawn in another order (as after a preemption), the same tokens
+    backwards = [sample(logits[n][2:3], [mine], [n]).item() for n in reversed(range(steps))]
+    assert backwards[::-1] == alone
     # and it is really random: another seed gives another stream
-    other_g = make_generator(4321, "cpu")
-    assert alone != [sample(step[2:3], [mine], [other_g]).item() for step in logits]
+    other = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=4321)
+    assert alone != [sample(step[2:3], [other], [n]).item() for n, step in enumerate(logits)]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(top_k=1, temperature=2.0), SamplingParams(top_p=1e-6)])
-def test_top_k_1_and_tiny_top_p_are_greedy(params):
-    logits_BV = torch.randn(16, 100, generator=torch.Generator().manual_seed(2))
-    gens = [make_generator(i, "cpu") for i in range(8)] + [None] * 8
-    assert torch.equal(sample(logits_BV, [params] * 16, gens), logits_BV.argmax(-1))
+def test_seeded_race_is_an_exact_draw():
+    """argmax p / E over independent positions' noise: frequencies match p (chi-square, df = 4)."""
+    logits_V = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    N, params = 6000, SamplingParams(temperature=0.7, seed=11)
+    tokens = torch.tensor([sample(logits_V[None], [params], [n]).item() for n in range(N)])
+    counts = torch.bincount(tokens, minlength=5).double()
+    expected = N * torch.softmax(logits_V.double() / 0.7, dim=-1)
+    assert ((counts - expected) ** 2 / expected).sum().item() < 18.47
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-40),  # below SAMPLING_EPS: greedy
+        SamplingParams(temperature=1e-300, seed=1),
+        SamplingParams(temperature=SAMPLING_EPS),  # logits / 1e-5 overflow nothing once the maximum is subtracted
+        SamplingParams(temperature=SAMPLING_EPS, seed=3),
+        SamplingParams(top_p=5e-324),  # rounds to 0 in fp32: the most likely token stays
+        SamplingParams(top_p=1e-300, seed=2),
+        SamplingParams(top_k=2**63),  # no int64 holds it: clamped to the vocabulary before any tensor is made
+        SamplingParams(top_k=2**200, seed=4, top_p=1e-30),
+        SamplingParams(temperature=2.0, top_k=1),
+    ],
+)
+def test_extreme_values_sample_the_most_likely_token_or_a_valid_one(params):
+    """Every value the request schema accepts gives a token (the issue's 'Overflow when unpacking long long'
+    and NaN probabilities from temperature 1e-40 / top_p 5e-324 failed the whole step)."""
+    logits_BV = torch.randn(3, 100, generator=torch.Generator().manual_seed(4)) * 30
+    tokens = sample(logits_BV, [params] * 3, [0, 1, 2])
+    assert tokens.dtype == torch.int64 and bool(((tokens >= 0) & (tokens < 100)).all())
+    if params.greedy or params.top_k == 1 or params.top_p < 1e-20 or params.temperature <= SAMPLING_EPS:
+        assert torch.equal(tokens, logits_BV.argmax(-1))
 
 
 def draw(logits_V: torch.Tensor, params: SamplingParams, N: int) -> torch.Tensor:
     """N draws from one row: counts per token (V,). Uses the shared global-RNG path (one multinomial)."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        tokens_N = sample(logits_V.expand(N, -1), [params] * N, [None] * N)
+        tokens_N = sample(logits_V.expand(N, -1), [params] * N, [0] * N)
     return torch.bincount(tokens_N, minlength=logits_V.numel())
 
 
@@ -105,8 +144,7 @@ def test_top_k_and_top_p_support():
     counts = draw(logits_V, SamplingParams(top_k=3, top_p=0.95), 4000)  # top-p on the renormalised top 3
     assert counts[3] == 0 and counts[:3].min() > 0
     # the seeded per-row path respects the same support
-    gens = [make_generator(i, "cpu") for i in range(300)]
-    tokens = sample(logits_V.expand(300, -1), [SamplingParams(top_k=2, seed=0)] * 300, gens)
+    tokens = sample(logits_V.expand(300, -1), [SamplingParams(top_k=2, seed=0)] * 300, list(range(300)))
     assert set(tokens.tolist()) == {0, 1}
 
 

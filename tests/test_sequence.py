@@ -12,7 +12,7 @@ def test_token_bookkeeping():
     seq = Sequence("r0", [5, 6, 7], SamplingParams(max_tokens=4), arrival_time=1.5)
     assert seq.status == SequenceStatus.WAITING and seq.finish_reason is None and seq.arrival_time == 1.5
     assert seq.num_prompt_tokens == 3 and seq.num_output_tokens == 0 and seq.last_token_id == 7
-    assert seq.remaining_prefill == 3 and seq.generator is None
+    assert seq.remaining_prefill == 3 and seq.error is None
     seq.num_computed_tokens = 3
     assert seq.append_token(9, EOS) is None
     assert seq.all_token_ids == [5, 6, 7, 9] and seq.num_tokens == 4 and seq.last_token_id == 9
@@ -21,7 +21,6 @@ def test_token_bookkeeping():
     for start in range(6):
         for end in range(start, 6):
             assert seq.token_ids(start, end) == seq.all_token_ids[start:end]
-    assert Sequence("r1", [1], SamplingParams(seed=3)).generator.initial_seed() == 3
     assert FinishReason.LENGTH == "length" and FinishReason.STOP.value == "stop"
 
 

@@ -1,8 +1,10 @@
-"""Rejection sampling keeps the big model's distribution exactly (issue 15): chi-square tests of the
-verification rule alone and of the engine with a draft, on a tiny model with an 8-token vocabulary."""
+"""Verification keeps the big model's distribution exactly (issue 15): chi-square tests of the rejection
+rule alone and of the engine with a draft, for unseeded requests (rejection sampling) and seeded ones (the
+race on each position's own noise), on a tiny model with an 8-token vocabulary."""
 
 import itertools
 
+import pytest
 import torch
 
 from k3.serve.engine import EngineConfig, LLMEngine
@@ -48,7 +50,8 @@ def test_rejection_sampling_emits_the_big_models_distribution():
     assert chi_square_p_value(first, q[0]) < 1e-6
 
 
-def test_sampled_outputs_with_speculation_follow_the_big_model():
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampled_outputs_with_speculation_follow_the_big_model(seeded):
     model = tiny_model(seed=5, vocab_size=8)
     prompt, N = [1, 2, 3, 4], 900
     # exact distributions of output tokens 2 and 3 from the model itself, summing over the earlier ones
@@ -72,8 +75,10 @@ def test_sampled_outputs_with_speculation_follow_the_big_model():
         ),
         draft=draft,
     )
+    torch.manual_seed(0)  # the unseeded requests draw from the global RNG
     for i in range(N):
-        engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=3, seed=i, ignore_eos=True))
+        seed = i if seeded else None
+        engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=3, seed=seed, ignore_eos=True))
     outs: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for o in engine.step():

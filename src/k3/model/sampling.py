@@ -24,5 +24,7 @@ def filtered_probs(logits_SV: torch.Tensor, top_k_S: torch.Tensor, top_p_S: torc
     # an fp32 cumsum can reach 1.0 early and would cut a tail that top_p = 1 promises to keep
     mass_before_SV = sorted_p_SV.cumsum(dim=-1) - sorted_p_SV
     drop_SV |= (mass_before_SV >= top_p_S[:, None]) & (top_p_S < 1)[:, None]
+    # the most likely token stays for any top_p > 0: a top_p that rounds to 0 in fp32 (5e-324) would drop it too
+    drop_SV[:, 0] = False
     keep_SV = torch.zeros_like(drop_SV).scatter(-1, order_SV, ~drop_SV)
     return logits_SV.masked_fill(~keep_SV, -math.inf).softmax(dim=-1)

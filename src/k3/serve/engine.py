@@ -133,7 +133,7 @@ class LLMEngine:
                 f"the prompt's {len(ids):,} tokens + max_tokens {params.max_tokens:,} = {total:,} exceed the "
                 f"context of {self.max_model_len:,} tokens; shorten the prompt or lower max_tokens"
             )
-        seq = Sequence(request_id, ids, params, device=self.pool.storage.device, tokenizer=self.tokenizer)
+        seq = Sequence(request_id, ids, params, tokenizer=self.tokenizer)
         self.scheduler.add(seq)  # may raise Overloaded or ValueError; nothing is stored then
         self.seqs[request_id] = seq
         return request_id
@@ -164,11 +164,13 @@ class LLMEngine:
         except BaseException:
             self.scheduler.abandon(plan)
             raise
-        new_tokens, rows = self._choose(plan, out.logits)
-        accepted = {p.seq: len(t) for p, t in zip(plan.sampled, new_tokens, strict=True) if isinstance(p, VerifyRow)}
+        new_tokens, rows, failed = self._choose(plan, out.logits)
+        # a failed verify row keeps its last token only; the request ends with its error in _postprocess
+        accepted = {p.seq: max(1, len(t)) for p, t in zip(plan.sampled, new_tokens, strict=True)
+                    if isinstance(p, VerifyRow)}  # fmt: skip
         self.runner.rollback(out, accepted)
         self.scheduler.complete(plan, accepted)
-        outputs = self._postprocess(plan, out.logits, new_tokens, rows)
+        outputs = self._postprocess(plan, out.logits, new_tokens, rows, failed)
         if self.proposer is not None:
             # the big model's features where each request's newest token came from
             ready = [(p.seq, r[len(t) - 1]) for p, t, r in zip(plan.sampled, new_tokens, rows, strict=True)
@@ -183,55 +185,85 @@ class LLMEngine:
         self.scheduler.step_seconds = 0.9 * self.scheduler.step_seconds + 0.1 * (time.perf_counter() - t0)
         return outputs
 
-    def _choose(self, plan: StepPlan, logits: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
+    def _choose(self, plan: StepPlan, logits: torch.Tensor) -> tuple[list[list[int]], list[list[int]], dict]:
         """The new tokens of every sampled piece (one sampled token; a verify row's verified tokens) and the
-        logits rows they came from, in plan.sampled's order."""
+        logits rows they came from, in plan.sampled's order; and {piece index: exception} for the pieces
+        whose sampling raised (they get no token; the other rows of the step are unaffected)."""
         pieces, rows, start = plan.sampled, [], 0
         for p in pieces:
             rows.append(list(range(start, start + p.num_logits)))
             start += p.num_logits
         plain = [i for i, p in enumerate(pieces) if not isinstance(p, VerifyRow)]
         new: list[list[int]] = [[] for _ in pieces]
+        failed: dict[int, Exception] = {}
         if plain:
             at = torch.tensor([rows[i][0] for i in plain], device=logits.device)
             seqs = [pieces[i].seq for i in plain]
-            tokens = sample(logits[at], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+            try:
+                tokens = sample(logits[at], [s.params for s in seqs], [s.num_output_tokens for s in seqs]).tolist()
+            except Exception:  # one row's logits or params broke the batch: sample each alone to find which
+                tokens = [self._sample_one(logits[at[j : j + 1]], s, plain[j], failed) for j, s in enumerate(seqs)]
             for i, t in zip(plain, tokens, strict=True):
-                new[i] = [t]
+                new[i] = [] if t is None else [t]
         greedy = [i for i, p in enumerate(pieces) if isinstance(p, VerifyRow) and p.seq.params.greedy]
         best = logits.argmax(-1).tolist() if greedy else None  # every greedy verify row's argmax, one device read
         for i, p in enumerate(pieces):
             if isinstance(p, VerifyRow):
                 seq = p.seq
-                new[i] = verify(logits[rows[i]], list(p.proposals), seq.params, seq.draft_probs, seq.generator,
-                                self.eos_id, None if best is None else [best[r] for r in rows[i]])  # fmt: skip
+                row_best = None if best is None else [best[r] for r in rows[i]]
+                try:
+                    args = (seq.params, seq.num_output_tokens, seq.draft_probs, self.eos_id, row_best)
+                    new[i] = verify(logits[rows[i]], list(p.proposals), *args)
+                except Exception as exc:
+                    failed[i] = exc
+                    continue
                 self.spec_stats.record(len(p.proposals), len(new[i]) - 1)
-        return new, rows
+        return new, rows, failed
+
+    @staticmethod
+    def _sample_one(logits_1V: torch.Tensor, seq: Sequence, index: int, failed: dict) -> int | None:
+        try:
+            return sample(logits_1V, [seq.params], [seq.num_output_tokens]).item()
+        except Exception as exc:
+            failed[index] = exc
+            return None
 
     def _postprocess(self, plan: StepPlan, logits: torch.Tensor, new_tokens: list[list[int]],
-                     rows: list[list[int]]) -> list[RequestOutput]:  # fmt: skip
+                     rows: list[list[int]], failed: dict) -> list[RequestOutput]:  # fmt: skip
         """Append each sampled piece's new tokens (a verify row's until one ends the request), stream their
-        text, finish and drop what is done."""
+        text, finish and drop what is done. A request whose sampling, log-probabilities or detokenisation
+        raised ends with finish_reason "error" (its pages freed); the others are unaffected."""
         outputs = []
-        for piece, tokens, at in zip(plan.sampled, new_tokens, rows, strict=True):
+        for i, (piece, tokens, at) in enumerate(zip(plan.sampled, new_tokens, rows, strict=True)):
             seq = piece.seq
-            logprobs = None
-            if seq.params.logprobs is not None:
-                n = len(tokens)
-                logprobs = token_logprobs(logits[at[:n]], torch.tensor(tokens, device=logits.device), [seq.params] * n)
-            text, appended = [], []
-            for token in tokens:
-                text.append(seq.append_output(token, self.eos_id))
-                appended.append(token)
-                if seq.is_finished:
-                    break
-            if seq.is_finished:
+            logprobs, text, appended = None, [], []
+            try:
+                if i in failed:
+                    raise failed[i]
+                if seq.params.logprobs is not None:
+                    n = len(tokens)
+                    logprobs = token_logprobs(logits[at[:n]], torch.tensor(tokens, device=logits.device),
+                                              [seq.params] * n)  # fmt: skip
+                for token in tokens:
+                    text.append(seq.append_output(token, self.eos_id))
+                    appended.append(token)
+                    if seq.is_finished:
+                        break
+            except Exception as exc:
+                log.exception("k3 engine: request %s failed after the forward; the step's others go on",
+                              seq.request_id)  # fmt: skip
+                seq.error = f"{type(exc).__name__}: {exc}"
+                seq.finish(FinishReason.ERROR)
+            if seq.finish_reason == FinishReason.ERROR:
+                self.scheduler.remove(seq)  # its pages back, nothing of it registered in the prefix cache
+            elif seq.is_finished:
                 self.scheduler.finish(seq)
+            if seq.is_finished:
                 del self.seqs[seq.request_id]
             outputs.append(RequestOutput(
                 seq.request_id, "".join(text), appended, seq.is_finished,
                 seq.finish_reason.value if seq.finish_reason else None, seq.num_prompt_tokens,
-                seq.num_output_tokens, seq.num_cached_tokens,
+                seq.num_output_tokens, seq.num_cached_tokens, error=seq.error,
                 logprobs=None if logprobs is None else logprobs[: len(appended)],
             ))  # fmt: skip
         return outputs

@@ -1,7 +1,12 @@
 """Per-request sampling for the serving engine: parameters, the batched sampler and stop strings.
 
-Every row of a batch carries its own SamplingParams and its own torch.Generator, so a seeded request
-draws the same tokens whatever else shares its batch and wherever it sits in it.
+Every row of a batch carries its own SamplingParams. A seeded request's token at output position n is a
+function of its distribution there and of (seed, n) only: the exponential race argmax_v p(v) / E(v),
+E ~ Exp(1) i.i.d. drawn from a stream keyed by (seed, n) (`position_noise`), which is an exact draw from p
+(it is the Gumbel-max trick). Nothing else a step does consumes that stream, so a seeded request draws the
+same tokens whatever shares its batch, wherever it sits in it, after a preemption, and with or without
+speculative decoding: a draft proposes with the same E, and verification accepts a proposal exactly when
+it is the token the big model's race gives (k3.spec.verify). Unseeded requests share torch's global RNG.
 
 Log-probabilities (SamplingParams.logprobs) are those of the raw model distribution, log_softmax of the
 logits before temperature, top-k and top-p, as vLLM's default: they say what the model thinks of each
@@ -20,6 +25,9 @@ import torch
 from k3.model.sampling import filtered_probs
 
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs limit, vLLM's default)
+# a temperature below this samples greedily, as vLLM's _SAMPLING_EPS: logits / 1e-40 is no distribution in fp32
+SAMPLING_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
 
 
 def _is_int(x: object) -> bool:
@@ -30,9 +38,11 @@ def _is_int(x: object) -> bool:
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature 0 is greedy; top_k 0 or -1 is off; top_p 1 is off. stop strings end the output before
-    the string (it is never returned); stop_token_ids and eos end it after the token (the engine does
-    not detokenise it). max_tokens counts generated tokens. seed makes the request reproducible.
+    temperature 0 (or below SAMPLING_EPS) is greedy; top_k 0 or -1 is off, and one above the vocabulary
+    keeps it all; top_p 1 is off, and the most likely token always stays however small top_p is. stop
+    strings end the output before the string (it is never returned); stop_token_ids and eos end it after
+    the token (the engine does not detokenise it). max_tokens counts generated tokens. seed makes the
+    request reproducible, position by position (the module's docstring).
     logprobs: None (off) or N in [0, 20]: each output carries the sampled token's log-probability and
     the N most likely tokens', under the raw model distribution (log_softmax of the logits, before
     temperature, top-k and top-p).
@@ -78,30 +88,55 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled with a seed: every position draws from its own stream (`position_noise`)."""
+        return self.seed is not None and not self.greedy
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator seeded for one request, on the device its logits live on; None (global RNG) without a seed."""
-    if seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(seed)
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit ints whose outputs for nearby inputs look unrelated."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
-def sample(
-    logits_BV: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> torch.Tensor:
-    """logits (B, V), any float dtype -> token ids (B,) int64, each row with its own params and generator.
+def stream_seed(seed: int, position: int) -> int:
+    """The seed of request seed's stream for output position `position` (0 = the first generated token)."""
+    return _mix64(_mix64(seed) ^ position)
 
+
+def position_noise(seed: int, positions: Sequence[int], V: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(len(positions), V) fp32 Exp(1) noise, row j from the stream of (seed, positions[j]): the same values
+    on every call, whatever else has been drawn. Floored at the smallest normal float so that p / E is
+    never 0/0 (torch's exponential_ may return 0)."""
+    out = torch.empty(len(positions), V, dtype=torch.float32, device=device)
+    for j, position in enumerate(positions):
+        generator = torch.Generator(device=device).manual_seed(stream_seed(seed, position))
+        out[j].exponential_(generator=generator)
+    return out.clamp_(min=torch.finfo(torch.float32).tiny)
+
+
+def race(probs_SV: torch.Tensor, noise_SV: torch.Tensor) -> torch.Tensor:
+    """The exponential race: argmax_v p(v) / E(v) per row, a draw from p when E ~ Exp(1) i.i.d. (S,) int64."""
+    return (probs_SV.float() / noise_SV).argmax(dim=-1)
+
+
+def sample(logits_BV: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> torch.Tensor:
+    """logits (B, V), any float dtype -> token ids (B,) int64, each row with its own params.
+
+    positions: the output position of the token each row draws (what a seeded row's stream is keyed by).
     Greedy rows are argmax and use no randomness. Sampled rows: logits / temperature in fp32, top-k,
-    top-p (vectorised over rows), then one multinomial draw per row: rows with a generator draw
-    alone from it (so a seeded row never depends on its neighbours); rows without one share a single
-    draw from torch's global RNG.
+    top-p (vectorised over rows); then a seeded row races its own noise for that position, and the rows
+    without a seed share one multinomial draw from torch's global RNG.
     """
     B = len(logits_BV)
-    if len(params) != B or len(generators) != B:
+    if len(params) != B or len(positions) != B:
         raise ValueError(
-            f"need one SamplingParams and one generator per row: B={B}, got {len(params)} and {len(generators)}"
+            f"need one SamplingParams and one position per row: B={B}, got {len(params)} and {len(positions)}"
         )
     tokens_B = logits_BV.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -112,13 +147,16 @@ def sample(
     probs_SV = request_probs(logits_BV[rows_S], [params[i] for i in rows], torch.float32)
 
     drawn_S = torch.empty(len(rows), dtype=torch.long, device=device)
-    shared = [j for j, i in enumerate(rows) if generators[i] is None]
+    shared = [j for j, i in enumerate(rows) if params[i].seed is None]
     if shared:
         shared_t = torch.tensor(shared, device=device)
         drawn_S[shared_t] = torch.multinomial(probs_SV[shared_t], 1).squeeze(-1)
-    for j, i in enumerate(rows):
-        if generators[i] is not None:
-            drawn_S[j] = torch.multinomial(probs_SV[j], 1, generator=generators[i])[0]
+    seeded = [j for j, i in enumerate(rows) if params[i].seed is not None]
+    if seeded:
+        V = logits_BV.shape[1]
+        noise_SV = torch.cat([position_noise(params[rows[j]].seed, [positions[rows[j]]], V, device) for j in seeded])
+        seeded_t = torch.tensor(seeded, device=device)
+        drawn_S[seeded_t] = race(probs_SV[seeded_t], noise_SV)
     tokens_B[rows_S] = drawn_S
     return tokens_B
 
@@ -131,10 +169,15 @@ def request_probs(logits_SV: torch.Tensor, params_S: list[SamplingParams],
     V = logits_SV.shape[1]
     device = logits_SV.device
     dtype = dtype or torch.promote_types(logits_SV.dtype, torch.float32)
-    temperature_S = torch.tensor([p.temperature for p in params_S], dtype=dtype, device=device)
-    top_k_S = torch.tensor([p.top_k if p.top_k > 0 else V for p in params_S], device=device).clamp(max=V)
+    # greedy rows (a verify row's, here) are scaled by 1: their distribution is never drawn from
+    temperature_S = torch.tensor([max(p.temperature, SAMPLING_EPS) for p in params_S], dtype=dtype, device=device)
+    # clamped in Python: a top_k of 2**63 is a valid "keep everything", but no int64 tensor holds it
+    top_k_S = torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params_S], device=device)
     top_p_S = torch.tensor([p.top_p for p in params_S], dtype=torch.float32, device=device)
-    return filtered_probs(logits_SV.to(dtype) / temperature_S[:, None], top_k_S, top_p_S)
+    # the row's maximum subtracted first: (logits - max) / T is <= 0 and never inf - inf, for any T >= SAMPLING_EPS
+    shifted = logits_SV.to(dtype)
+    shifted = shifted - shifted.amax(dim=-1, keepdim=True)
+    return filtered_probs(shifted / temperature_S[:, None], top_k_S, top_p_S)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import time
 import torch
 
 from k3.serve.detokenizer import IncrementalDetokenizer
-from k3.serve.sampling import SamplingParams, StopChecker, make_generator
+from k3.serve.sampling import SamplingParams, StopChecker
 
 
 class SequenceStatus(enum.Enum):
@@ -17,11 +17,12 @@ class SequenceStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    """The OpenAI `finish_reason` values."""
+    """The OpenAI `finish_reason` values, and vLLM's two of its own."""
 
     STOP = "stop"  # eos, a stop token or a stop string
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled by the client or the server
+    ERROR = "error"  # computing this request raised (Sequence.error says what); the others in its step go on
 
 
 def _check_token_ids(token_ids: list[int], what: str) -> None:
@@ -48,7 +49,6 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
-        device: torch.device | str = "cpu",
         tokenizer=None,
     ) -> None:
         if len(prompt_token_ids) == 0:
@@ -61,8 +61,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        # made once per request and never reset: after a recompute the next draw continues the stream
-        self.generator = make_generator(self.params.seed, device)
+        self.error: str | None = None  # why the request failed (finish_reason ERROR)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.latent_pages: list[int] = []

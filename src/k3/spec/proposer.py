@@ -2,15 +2,16 @@
 
 A request that decodes next step (its tokens all computed but the newest) gets up to k proposals, fewer
 when its max_tokens or the context leave less room (a verify step emits at most k + 1 tokens). Greedy
-requests propose the draft's argmax; sampled ones draw from the draft's distribution under their own
-temperature, top-k and top-p, with their own generator, and keep those distributions (q) for
-rejection sampling. The proposals and q are stored on the Sequence, which the scheduler reads when it
-plans the verify row.
+requests propose the draft's argmax. Sampled ones use the draft's distribution q under their own
+temperature, top-k and top-p: a seeded request proposes the race winner argmax q / E with its own noise
+for each position (k3.serve.sampling.position_noise; verification then compares race winners), an
+unseeded one draws from q with torch's global RNG and keeps q for rejection sampling. The proposals and q
+are stored on the Sequence, which the scheduler reads when it plans the verify row.
 """
 
 import torch
 
-from k3.serve.sampling import request_probs
+from k3.serve.sampling import position_noise, race, request_probs
 from k3.serve.sequence import Sequence
 from k3.spec.draft import DraftModel
 
@@ -44,17 +45,22 @@ class Proposer:
         g0 = self.draft.features([s[idx] for s in summaries])
         tokens = torch.tensor([seq.last_token_id for seq in live], device=device)
         sampled = [i for i, seq in enumerate(live) if not seq.params.greedy]
-        q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in sampled}
+        q_rows: dict[int, list[torch.Tensor]] = {i: [] for i in sampled if not live[i].params.coupled}
         at = torch.tensor(sampled, device=device)
         params_S = [live[i].params for i in sampled]
 
         def choose(logits: torch.Tensor, j: int) -> torch.Tensor:
             out = logits.argmax(dim=-1)
             if sampled:
-                q_S = request_probs(logits[at], params_S)
-                for r, i in enumerate(sampled):  # each request draws from its own generator
-                    out[i] = torch.multinomial(q_S[r], 1, generator=live[i].generator)[0]
-                    q_rows[i].append(q_S[r])
+                q_S = request_probs(logits[at], params_S, torch.float32)
+                for r, i in enumerate(sampled):
+                    seq = live[i]
+                    if seq.params.coupled:  # proposal j is for output position num_output_tokens + j
+                        noise = position_noise(seq.params.seed, [seq.num_output_tokens + j], q_S.shape[1], device)
+                        out[i] = race(q_S[r : r + 1], noise)[0]
+                    else:
+                        out[i] = torch.multinomial(q_S[r], 1)[0]
+                        q_rows[i].append(q_S[r])
             return out
 
         proposals = self.draft.propose(tokens, g0, max(ks), choose)

@@ -4,19 +4,27 @@ Greedy (temperature 0): accept the longest prefix of proposals equal to the big 
 add the big model's own token at the first disagreement (or after the last proposal): the tokens are
 exactly those greedy decoding without a draft produces.
 
-Sampling: the rejection scheme of Leviathan et al. / Chen et al. (2023). Proposal dⱼ, drawn from the
-draft's filtered distribution qⱼ, is accepted with probability min(1, pⱼ(dⱼ) / qⱼ(dⱼ)), pⱼ the big
-model's filtered distribution (the request's temperature, top-k and top-p, as without a draft); at the
-first rejection the token is drawn from norm(max(0, pⱼ − qⱼ)) and the step ends; if all k are accepted
-a bonus token is drawn from p_k. Each emitted token then has exactly the distribution p of its
-position, whatever the draft.
+Seeded sampling: the same rule on the exponential race (k3.serve.sampling.race). Position n's token
+without a draft is argmax p_n / E_n, E_n the request's noise for n; the draft proposed argmax q_n / E_n
+with the same E_n. Accepting the agreeing prefix and then the big model's own race winner gives exactly
+the tokens decoding without a draft gives, so a seeded request's output does not depend on how many
+proposals a step could verify (its token budget, free pages, a preemption). Each token is an exact
+draw from p; a proposal is accepted with probability at least (1 − TV(p, q)) / (1 + TV(p, q)) (the
+drafter-invariant coupling of Daliri et al., 2024), slightly below rejection sampling's 1 − TV.
+
+Unseeded sampling: the rejection scheme of Leviathan et al. / Chen et al. (2023). Proposal dⱼ, drawn
+from the draft's filtered distribution qⱼ, is accepted with probability min(1, pⱼ(dⱼ) / qⱼ(dⱼ)), pⱼ the
+big model's filtered distribution (the request's temperature, top-k and top-p, as without a draft); at
+the first rejection the token is drawn from norm(max(0, pⱼ − qⱼ)) and the step ends; if all k are
+accepted a bonus token is drawn from p_k. Each emitted token then has exactly the distribution p of its
+position, whatever the draft, at the highest acceptance rate a draft-dependent scheme allows.
 
 Shape suffixes: K proposals, V vocabulary.
 """
 
 import torch
 
-from k3.serve.sampling import SamplingParams, request_probs
+from k3.serve.sampling import SamplingParams, position_noise, race, request_probs
 
 
 def accept_greedy(best: list[int], proposals_K: list[int]) -> list[int]:
@@ -50,19 +58,26 @@ def accept_sampled(p_KV: torch.Tensor, q_KV: torch.Tensor, proposals_K: list[int
     return [*proposals_K, int(torch.multinomial(p_KV[K], 1, generator=generator)[0])]
 
 
-def verify(big_logits_KV: torch.Tensor, proposals_K: list[int], params: SamplingParams,
-           draft_probs_KV: torch.Tensor | None, generator: torch.Generator | None,
-           eos_token_id: int | None = None, best: list[int] | None = None) -> list[int]:  # fmt: skip
+def verify(big_logits_KV: torch.Tensor, proposals_K: list[int], params: SamplingParams, position: int,
+           draft_probs_KV: torch.Tensor | None = None, eos_token_id: int | None = None,
+           best: list[int] | None = None) -> list[int]:  # fmt: skip
     """One verify row: the big model's logits (K+1, V) at its positions -> the tokens it emits, cut after
     the first one that ends the request (eos unless ignore_eos, a stop token id): nothing after it exists.
+    position: the output position of the first of them (a seeded request's noise is keyed by it);
+    draft_probs: the draft distributions an unseeded sampled request's proposals were drawn from;
     best: the argmax of those logits when the caller took it for the whole step at once (one device read)."""
+    K = len(proposals_K)
     if params.greedy:
         tokens = accept_greedy(big_logits_KV.argmax(-1).tolist() if best is None else best, proposals_K)
+    elif params.coupled:
+        p = request_probs(big_logits_KV[: K + 1], [params] * (K + 1), torch.float32)
+        noise = position_noise(params.seed, range(position, position + K + 1), p.shape[1], p.device)
+        tokens = accept_greedy(race(p, noise).tolist(), proposals_K)
     else:
-        if draft_probs_KV is None or len(draft_probs_KV) < len(proposals_K):
+        if draft_probs_KV is None or len(draft_probs_KV) < K:
             raise ValueError("sampled proposals need the draft distributions they were drawn from")
-        p = request_probs(big_logits_KV[: len(proposals_K) + 1], [params] * (len(proposals_K) + 1))
-        tokens = accept_sampled(p, draft_probs_KV[: len(proposals_K)], proposals_K, generator)
+        p = request_probs(big_logits_KV[: K + 1], [params] * (K + 1))
+        tokens = accept_sampled(p, draft_probs_KV[:K], proposals_K, None)
     for i, t in enumerate(tokens):
         if (t == eos_token_id and not params.ignore_eos) or t in params.stop_token_ids:
             return tokens[: i + 1]
