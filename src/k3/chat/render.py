@@ -10,9 +10,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from k3.chat.errors import ChatFormatError
+from k3.chat.options import (
+    DEFAULT_THINKING_EFFORT,
+    check_thinking_effort,
+    check_tools,
+    response_format_for,
+    tool_choice_for,
+)
 from k3.chat.tokens import CLOSE, END_OF_MSG, OPEN, SEP
+from k3.chat.values import check_json, deep_sort, dumps, loads_json
 
-THINKING_EFFORTS = ("low", "high", "max")  # what the released renderer accepts (its prose also names `medium`)
 _DECLARE = [("role", "system"), ("type", "tool-declare")]
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -71,62 +78,29 @@ def argument_type(value: Any) -> str:
     raise ChatFormatError(f"a tool-call argument of type {type(value).__name__} is not JSON")
 
 
-def _dumps(value: Any, compact: bool) -> str:
-    seps = (",", ":") if compact else (", ", ": ")
-    return json.dumps(value, ensure_ascii=False, separators=seps, allow_nan=False)
-
-
-def _deep_sort(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _deep_sort(value[k]) for k in sorted(value)}
-    if isinstance(value, list | tuple):
-        return [_deep_sort(v) for v in value]
-    return value
-
-
-def _split_json_object(raw: str) -> list[tuple[str, str, str]] | None:
-    """(key, type, text) for each member of a JSON object string, keeping each non-string value's literal
-    text (`1e2` stays `1e2`, a nested object keeps its spacing) as the released renderer does; None when
-    raw is not a JSON object."""
-    try:
-        if not isinstance(json.loads(raw), dict):
-            return None
-    except (ValueError, RecursionError):
-        return None
-    decoder, out, i = json.JSONDecoder(), [], raw.index("{") + 1
-
-    def skip(j: int, chars: str) -> int:
-        while raw[j] in chars:
-            j += 1
-        return j
-
-    i = skip(i, " \t\r\n")
-    if raw[i] == "}":
-        return out
-    while True:
-        key, i = decoder.raw_decode(raw, skip(i, " \t\r\n"))
-        start = skip(i, " \t\r\n:")
-        value, i = decoder.raw_decode(raw, start)
-        out.append((key, argument_type(value), value if isinstance(value, str) else raw[start:i]))
-        i = skip(i, " \t\r\n")
-        if raw[i] == "}":
-            return out
-        i += 1  # the comma
-
-
-def tool_arguments(arguments: Any) -> tuple[list[tuple[str, str, str]], str | None]:
-    """A call's arguments as typed (key, type, text) triples, or ([], raw) when arguments is a string that
-    is not a JSON object: the renderer then writes it whole in a `json` block rather than dropping it."""
+def tool_arguments(arguments: Any, where: str = "tool call") -> tuple[list[tuple[str, str, str]], str | None]:
+    """A call's arguments as (key, type, text) triples, written as the released renderer writes them: a
+    JSON string is parsed first, then each value is its text when a string, else json.dumps with its
+    default separators (`1e2` -> `100.0`, `[1,2]` -> `[1, 2]`); keys in their order. ([], raw) when
+    arguments is a string that is not JSON or not an object: the renderer then writes it whole in a `json`
+    block rather than drop it or fail (the released renderer raises on a non-object)."""
     if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
         return [], None
-    if isinstance(arguments, dict):
-        items = arguments.items()
-        triples = [(str(k), argument_type(v), v if isinstance(v, str) else _dumps(v, False)) for k, v in items]
-        return triples, None
     if isinstance(arguments, str):
-        triples = _split_json_object(arguments)
-        return ([], arguments) if triples is None else (triples, None)
-    raise ChatFormatError(f"tool-call arguments must be a JSON object string or a dict, got {type(arguments).__name__}")
+        try:
+            parsed = loads_json(arguments, f"{where}: arguments")
+        except json.JSONDecodeError:
+            return [], arguments
+        if not isinstance(parsed, dict):
+            return [], arguments
+        arguments = parsed
+    elif isinstance(arguments, dict):
+        check_json(arguments, f"{where}: arguments")
+    else:
+        got = type(arguments).__name__
+        raise ChatFormatError(f"{where}: arguments must be a JSON object string or a dict, got {got}")
+    items = arguments.items()
+    return [(k, argument_type(v), v if isinstance(v, str) else dumps(v, compact=False)) for k, v in items], None
 
 
 class _Segments:
@@ -239,7 +213,7 @@ def _render_assistant(seg: _Segments, m: dict, thinking: bool, where: str) -> No
     for index, call in enumerate(calls, 1):
         function = _call_function(call, where)
         seg.open("call", [("tool", function["name"]), ("index", str(index))])
-        triples, raw = tool_arguments(function.get("arguments"))
+        triples, raw = tool_arguments(function.get("arguments"), f"{where}.tool_calls[{index - 1}]")
         if raw is not None:
             seg.open("json", [("type", "object")])
             seg.text(raw)
@@ -262,7 +236,20 @@ def _check_messages(messages: Any) -> list[dict]:
     return messages
 
 
-def render_segments(
+def _declared_tool_names(messages: list[dict], tools: Any) -> list[str]:
+    """The names of the request's tools and of those a system/developer message declares."""
+    names = check_tools(tools, "tools") if tools is not None else []
+    for i, m in enumerate(messages):
+        if m["role"] in ("system", "developer") and m.get("tools"):
+            names += check_tools(m["tools"], f"messages[{i}].tools")
+    return names
+
+
+def _tool_declaration(header: str, tools: list) -> str:
+    return header + dumps(deep_sort(tools), compact=True) + "\n```"
+
+
+def render_chat(
     messages: list[dict],
     tools: list[dict] | None = None,
     *,
@@ -270,25 +257,33 @@ def render_segments(
     add_generation_prompt: bool = True,
     thinking_effort: str | None = None,
     tool_choice: Any = None,
-    response_format: dict | None = None,
-) -> list[Segment]:
-    """The conversation as segments. `developer` messages render as `system` (OpenAI's newer name for it).
-    With add_generation_prompt the result ends inside an open assistant message, in the `think` channel
-    when thinking is on and in `response` when off: the model's output continues from there."""
+    response_format: dict | str | None = None,
+) -> tuple[list[Segment], frozenset[str]]:
+    """The conversation as segments, and the tool names the model's reply may call (what the parser is
+    given: tool_choice none -> none, a named choice -> that one, else every declared tool).
+
+    In order (docs/chat.md): the tool declaration; the thinking-effort message (thinking on only;
+    DEFAULT_THINKING_EFFORT when none is given); the messages (`developer` renders as `system`; a
+    system/developer message with `tools` declares them instead of its content, as the released
+    renderer); the tool-choice message (required/none, only when tools are declared); the
+    response-format message; the generation prompt, ending inside an open assistant message in the
+    `think` channel (thinking on) or `response` (off), where the model's output continues."""
     messages = _order_tool_results(_check_messages(messages))
+    choice = tool_choice_for(tool_choice, _declared_tool_names(messages, tools))
+    format_kind, schema = response_format_for(response_format)
+    check_thinking_effort(thinking_effort)
     seg = _Segments()
     if tools:
-        seg.message(_DECLARE, _TOOLS_HEADER + _dumps(_deep_sort(tools), True) + "\n```")
-    if thinking and thinking_effort is not None:
-        if thinking_effort not in THINKING_EFFORTS:
-            raise ChatFormatError(f"thinking_effort={thinking_effort!r} is not one of {', '.join(THINKING_EFFORTS)}")
-        seg.message([("role", "system"), ("type", "thinking-effort")], _EFFORT_TEXT.format(thinking_effort))
+        seg.message(_DECLARE, _tool_declaration(_TOOLS_HEADER, tools))
+    if thinking:
+        effort = thinking_effort if thinking_effort is not None else DEFAULT_THINKING_EFFORT
+        seg.message([("role", "system"), ("type", "thinking-effort")], _EFFORT_TEXT.format(effort))
     previous_calls, tool_index = [], 0
     for i, m in enumerate(messages):
         where, role = f"messages[{i}]", m["role"]
         name = [("name", str(m["name"]))] if m.get("name") else []
         if role in ("system", "developer") and m.get("tools"):
-            seg.message(_DECLARE, _NEW_TOOLS_HEADER + _dumps(_deep_sort(m["tools"]), True) + "\n```")
+            seg.message(_DECLARE, _tool_declaration(_NEW_TOOLS_HEADER, m["tools"]))
         elif role in ("system", "developer", "user"):
             seg.open("message", [("role", "user" if role == "user" else "system"), *name])
             for piece in _content_pieces(m.get("content"), where):
@@ -316,21 +311,23 @@ def render_segments(
                 seg.text(piece)
             seg.close("message")
             seg.token(END_OF_MSG)
-    if tool_choice in _TOOL_CHOICE_TEXT:
-        seg.message([("role", "system"), ("type", "tool-choice")], _TOOL_CHOICE_TEXT[tool_choice])
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind == "json_object":
-        seg.message([("role", "system"), ("type", "response-format")], _JSON_RESPONSE_TEXT.format(kind))
-    elif kind == "json_schema":
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema", spec) if isinstance(spec, dict) else spec
-        body = _JSON_RESPONSE_TEXT.format(kind) + "\nThe JSON data must match the following schema:\n```json\n"
-        body += _dumps(_deep_sort(schema), True) + "\n```"
+    if choice.message is not None:
+        seg.message([("role", "system"), ("type", "tool-choice")], _TOOL_CHOICE_TEXT[choice.message])
+    if format_kind is not None:
+        body = _JSON_RESPONSE_TEXT.format(format_kind)
+        if format_kind == "json_schema":
+            body += "\nThe JSON data must match the following schema:\n```json\n"
+            body += dumps(deep_sort(schema), compact=True) + "\n```"
         seg.message([("role", "system"), ("type", "response-format")], body)
     if add_generation_prompt:
         seg.open("message", [("role", "assistant")])
         seg.open("think" if thinking else "response")
-    return seg.out
+    return seg.out, choice.callable
+
+
+def render_segments(messages: list[dict], tools: list[dict] | None = None, **options) -> list[Segment]:
+    """render_chat's segments alone (same options)."""
+    return render_chat(messages, tools, **options)[0]
 
 
 def render_text(messages: list[dict], tools: list[dict] | None = None, **options) -> str:

@@ -45,21 +45,33 @@ def _raw(tokenizer: "Tokenizer | K3Tokenizer") -> Tokenizer:
 
 
 def chat_token_ids(tokenizer: "Tokenizer | K3Tokenizer") -> ChatTokenIds:
-    """The ids of the chat tokens, each of which must be registered as a *special* added token: a merely
-    learned BPE piece spelled `<|open|>` would be produced from user text and could forge structure."""
+    """The ids of the chat tokens, each of which must be registered as a *special* added token: k3 turns
+    special-token matching off for text (encode_special_tokens), which stops matching special added
+    tokens only; a non-special added `<|open|>` would still be produced from user text and forge structure.
+    (The released checkpoint's tokenizer marks `<|open|>`, `<|close|>` and `<|sep|>` non-special, see
+    docs/chat.md; a conversion of it needs with_chat_tokens, which keeps their ids.)"""
     tok = _raw(tokenizer)
     added = tok.get_added_tokens_decoder()
-    ids, missing = {}, []
+    ids, missing, ordinary = {}, [], []
     for name in CHAT_SPECIAL_TOKENS:
         i = tok.token_to_id(name)
         if i is None or i not in added or not added[i].special:
             missing.append(name)
+            if i is not None and i in added:
+                ordinary.append(name)
         else:
             ids[name] = i
     if missing:
+        why = ""
+        if ordinary:
+            why = (
+                f" ({', '.join(ordinary)} {'is an' if len(ordinary) == 1 else 'are'} added but not special, as the "
+                "released checkpoint's tokenizer_config.json marks <|open|>, <|close|> and <|sep|>: user text "
+                "could produce them; k3.chat.with_chat_tokens re-registers them as special with the same ids)"
+            )
         raise ChatFormatError(
             f"this tokenizer has no chat tokens: {', '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} not registered as special tokens. "
+            f"{'is' if len(missing) == 1 else 'are'} not registered as special tokens{why}. "
             "Chat needs a tokenizer that has them (k3.chat.with_chat_tokens adds them to a copy); "
             "/v1/completions works without them."
         )
@@ -68,7 +80,8 @@ def chat_token_ids(tokenizer: "Tokenizer | K3Tokenizer") -> ChatTokenIds:
 
 def with_chat_tokens(tokenizer: "Tokenizer | K3Tokenizer") -> "Tokenizer | K3Tokenizer":
     """A copy of the tokenizer with the chat tokens added as special tokens (new ids at the end of the
-    vocabulary for those it lacks); the original is untouched. Returns the same kind it was given."""
+    vocabulary for those it lacks; one already added as an ordinary token becomes special with its id);
+    the original is untouched. Returns the same kind it was given."""
     copy = Tokenizer.from_str(_raw(tokenizer).to_str())
     copy.add_special_tokens(CHAT_SPECIAL_TOKENS)
     if isinstance(tokenizer, Tokenizer):
