@@ -15,14 +15,16 @@ from k3.serve.scheduler import Overloaded
 
 
 class ServerThread:
-    """`with ServerThread(app) as base_url:` serves app on 127.0.0.1 at a port the OS chose."""
+    """`with ServerThread(app) as base_url:` serves app on 127.0.0.1 at a port the OS chose; `config` is more
+    of uvicorn.Config's arguments (k3 serve's: `k3.server.main.uvicorn_options`)."""
 
-    def __init__(self, app):
+    def __init__(self, app, **config):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, backlog=1024)
+        options = {"log_level": "warning", "timeout_graceful_shutdown": 5, "backlog": 1024, **config}
+        config = uvicorn.Config(app, **options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -75,7 +77,7 @@ class ScriptedEngine:
         self.handles: list[ScriptedHandle] = []
         self.submitted: list[tuple[list[int], object]] = []
 
-    def submit(self, prompt, params=None, request_id=None) -> ScriptedHandle:
+    def submit(self, prompt, params=None, request_id=None, max_backlog=None) -> ScriptedHandle:
         ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if self.overload_after is not None and sum(not h.finished for h in self.handles) >= self.overload_after:
             raise Overloaded("scripted queue full", retry_after=2.5)
@@ -88,7 +90,7 @@ class ScriptedEngine:
         self.submitted.append((ids, params))
         return handle
 
-    async def submit_async(self, prompt, params=None, request_id=None) -> ScriptedHandle:
+    async def submit_async(self, prompt, params=None, request_id=None, max_backlog=None) -> ScriptedHandle:
         return self.submit(prompt, params, request_id)
 
     def stats(self) -> dict:

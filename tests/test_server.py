@@ -169,7 +169,7 @@ def post(url: str, path: str, body, **kw) -> httpx.Response:
         ({"prompt": "x", "top_k": -2}, "top_k", ""),
         ({"prompt": "x", "n": 5}, "n", "limit of 4"),
         ({"prompt": "x", "max_tokens": 513}, "max_tokens", "limit of 512"),
-        ({"prompt": "x" * 1000, "max_tokens": 30}, "max_tokens", "exceed the context of 1,024"),
+        ({"prompt": "x" * 1000, "max_tokens": 30}, "max_tokens", "the context is 1,024 tokens"),
         ({"prompt": "x" * 1024}, "prompt", "no room"),
         ({"prompt": ""}, "prompt", "empty"),
         ({"prompt": [300]}, "prompt", "outside the vocabulary"),

@@ -91,3 +91,103 @@ def test_docs_list_every_serve_flag():
     table = [line for line in docs.splitlines() if line.startswith("| --")]
     documented = {f for line in table for f in re.findall(r"--[-\w]+", line.split("|")[1])}
     assert documented == flags
+
+
+class Served:
+    """`k3 serve` in a subprocess on a free port, ready for requests; `.out` is everything it printed once it
+    has exited."""
+
+    def __init__(self, ckpt, *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        command = [sys.executable, "-m", "k3.cli", "serve", "--model", str(ckpt), "--port", str(self.port),
+                   "--num-pages", "300", "--served-model-name", "tiny", *flags]  # fmt: skip
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.proc.stdout.read()
+            time.sleep(0.1)
+
+    def stream(self, max_tokens: int) -> tuple[list[str], threading.Event, threading.Thread]:
+        body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        events, first = [], threading.Event()
+
+        def read() -> None:
+            try:
+                with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[len("data: ") :])
+                            first.set()
+            except httpx.TransportError:
+                events.append(None)  # cut: a stop that did not drain
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert first.wait(30)
+        return events, first, reader
+
+    def wait(self, timeout: float = 60) -> int:
+        code = self.proc.wait(timeout)
+        self.out = self.proc.stdout.read()
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+def test_draining_keeps_listening_then_aborts_streams_past_the_deadline_cleanly(ckpt):
+    """During the drain /health is 503 "draining" and new /v1 requests 503 (the listener stays open); a stream
+    still running at --drain-timeout ends with an error event and [DONE]; exit 0; no traceback in the log."""
+    served = Served(ckpt, "--drain-timeout", "1.5")
+    try:
+        events, _, reader = served.stream(max_tokens=2000)  # far longer than the drain allows
+        served.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        health = httpx.get(served.url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json() == {"status": "draining"}
+        late = httpx.post(served.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        reader.join(60)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "shutting_down" and "shut down before this request finished" in error["message"]
+        assert served.wait() == 0
+        assert "Traceback" not in served.out and "CancelledError" not in served.out, served.out
+        assert "k3 serve: stopped" in served.out
+    finally:
+        served.kill()
+
+
+def test_a_second_signal_stops_at_once_with_128_plus_the_signal(ckpt):
+    served = Served(ckpt, "--drain-timeout", "60")
+    try:
+        events, _, reader = served.stream(max_tokens=2000)
+        served.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        start = time.monotonic()
+        served.proc.send_signal(signal.SIGINT)
+        assert served.wait(30) == 130  # as a shell reports a command killed by Ctrl-C, not 0
+        assert time.monotonic() - start < 15
+        assert "stopped without draining (SIGINT twice)" in served.out
+        reader.join(30)
+        assert events[-1] != "[DONE]"  # cut, not drained
+    finally:
+        served.kill()
+
+
+def test_a_busy_port_is_an_error_before_the_model_loads(ckpt, capsys):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        assert main(["serve", "--model", str(ckpt / "nowhere"), "--port", str(port)]) == 2
+        assert time.monotonic() - start < 5
+    err = capsys.readouterr()
+    assert f"cannot listen on 127.0.0.1:{port}" in err.err and "on http://" not in err.out

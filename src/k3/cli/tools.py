@@ -15,8 +15,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"k3 serve: {e.name or e} is not installed; pip install 'k3[serve]'", file=sys.stderr)
         return 2
 
-    limits = {"max_body_bytes": args.max_body_bytes, "max_tokens": args.max_tokens_limit, "max_n": args.max_n,
-              "max_prompts": args.max_prompts, "drain_timeout_s": args.drain_timeout}  # fmt: skip
+    limits = {
+        "max_body_bytes": args.max_body_bytes,
+        "max_tokens": args.max_tokens_limit,
+        "max_n": args.max_n,
+        "max_prompts": args.max_prompts,
+        "drain_timeout_s": args.drain_timeout,
+        "header_timeout_s": args.header_timeout,
+        "body_timeout_s": args.body_timeout,
+        "write_timeout_s": args.write_timeout,
+        "keep_alive_timeout_s": args.keep_alive_timeout,
+        "max_connections": args.max_connections,
+        "max_stream_backlog": args.max_stream_backlog,
+    }
     try:
         device = _device(args.device)
         budget = None if args.memory_budget is None else int(args.memory_budget * (1 << 20))
@@ -101,6 +112,20 @@ def _add_serve_parser(sub) -> None:
                      help="largest request body; larger gets 413 (default: %(default)s)")  # fmt: skip
     srv.add_argument("--drain-timeout", type=float, default=L.DRAIN_TIMEOUT_S,
                      help="seconds running requests get to finish after SIGTERM (default: %(default)s)")  # fmt: skip
+    timing = [
+        ("--header-timeout", L.HEADER_TIMEOUT_S, "seconds a connection has to send a request's headers"),
+        ("--body-timeout", L.BODY_TIMEOUT_S, "seconds a request has to send its body (408 after)"),
+        ("--write-timeout", L.WRITE_TIMEOUT_S, "seconds a response write may wait on the client before it is cut"),
+        ("--keep-alive-timeout", L.KEEP_ALIVE_TIMEOUT_S, "seconds an idle kept-alive connection stays open"),
+    ]
+    for flag, default, text in timing:
+        srv.add_argument(flag, type=float, default=default, help=f"{text} (default: %(default)s)")
+    counts = [
+        ("--max-connections", L.MAX_CONNECTIONS, "open connections at once; more get 503"),
+        ("--max-stream-backlog", L.MAX_STREAM_BACKLOG, "outputs a stream may leave unread before it is aborted"),
+    ]
+    for flag, default, text in counts:
+        srv.add_argument(flag, type=int, default=default, help=f"{text} (default: %(default)s)")
     srv.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once (default: 64)")
     srv.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     srv.add_argument("--quantization", choices=["mxfp4"], default=None,

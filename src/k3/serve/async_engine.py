@@ -41,9 +41,10 @@ class RequestHandle:
     with `for out in handle` (blocking), `async for out in handle` (never blocks the event loop) or
     `outputs(timeout)`. Each output is delivered once: give a handle one consumer."""
 
-    def __init__(self, request_id: str, owner: "AsyncEngine"):
+    def __init__(self, request_id: str, owner: "AsyncEngine", max_backlog: int | None = None):
         self.request_id = request_id
         self._owner = owner
+        self.max_backlog = max_backlog  # outputs left unread past which the loop aborts the request
         self._cond = threading.Condition()
         self._queue: deque[RequestOutput] = deque()
         self._finished = False  # the last output was queued: the engine holds nothing of the request
@@ -57,6 +58,11 @@ class RequestHandle:
     def finished(self) -> bool:
         """True once the request is over (finished, aborted or failed) and its pages are released."""
         return self._finished
+
+    @property
+    def backlog(self) -> int:
+        """Outputs queued and not yet read."""
+        return len(self._queue)
 
     def cancel(self) -> None:
         """Abort the request: its pages and state are freed before the engine's next step and the iterators
@@ -169,12 +175,19 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._loop, name="k3-engine-loop", daemon=True)
             self._thread.start()
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> RequestHandle:  # fmt: skip
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        max_backlog: int | None = None,
+    ) -> RequestHandle:
         """Queue a request; returns its handle. Thread-safe; waits for the loop to add it (at most one step),
         so the engine's admission errors (ValueError, TypeError, Overloaded) are raised here. EngineClosed
-        after shutdown. From a coroutine, `await submit_async(...)` does not block the event loop."""
-        done = self._submit(prompt, params, request_id)
+        after shutdown. From a coroutine, `await submit_async(...)` does not block the event loop.
+        max_backlog: once this many outputs wait unread, the request is aborted (finish_reason "abort"): a
+        consumer that stopped reading does not keep the engine computing for it, nor its outputs piling up."""
+        done = self._submit(prompt, params, request_id, max_backlog)
         try:
             return done.result()
         except BaseException:
@@ -182,17 +195,22 @@ class AsyncEngine:
             done.add_done_callback(_cancel_added)
             raise
 
-    async def submit_async(self, prompt: str | list[int], params: SamplingParams | None = None,
-                           request_id: str | None = None) -> RequestHandle:  # fmt: skip
+    async def submit_async(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        max_backlog: int | None = None,
+    ) -> RequestHandle:
         """submit() for asyncio: the wait for the loop is awaited, not blocked on."""
-        done = self._submit(prompt, params, request_id)
+        done = self._submit(prompt, params, request_id, max_backlog)
         try:
             return await asyncio.shield(asyncio.wrap_future(done))
         except BaseException:  # the coroutine was cancelled (its client went away) while the loop added it
             done.add_done_callback(_cancel_added)
             raise
 
-    def _submit(self, prompt, params, request_id) -> Future:
+    def _submit(self, prompt, params, request_id, max_backlog) -> Future:
         self.start()
         done: Future = Future()
 
@@ -204,7 +222,7 @@ class AsyncEngine:
             except BaseException as exc:
                 done.set_exception(exc)
                 return
-            handle = self._handles[rid] = RequestHandle(rid, self)
+            handle = self._handles[rid] = RequestHandle(rid, self, max_backlog)
             done.set_result(handle)
 
         self._queue_call(add, done)
@@ -307,6 +325,9 @@ class AsyncEngine:
                 handle._put(out)
                 if out.finished:
                     del self._handles[out.request_id]
+                elif handle.max_backlog is not None and handle.backlog >= handle.max_backlog:
+                    log.info("k3 engine: aborting %s: %d outputs unread", out.request_id, handle.backlog)
+                    self._abort(out.request_id, "abort", f"its reader left {handle.backlog} outputs unread")
 
     def _fail(self, request_ids: list[str], exc: BaseException) -> None:
         for request_id in request_ids:

@@ -108,6 +108,14 @@ class LLMEngine:
     def describe(self) -> str:
         return self.pool.describe()
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most prompt + max_tokens one request may have: the context, or what the pool holds for one
+        request alone (its KDA states and latent pages) if that is less."""
+        room = self.pool.num_pages - self.layout.n_kda
+        pool_tokens = room * self.layout.page_tokens if self.layout.n_mla else (self.max_model_len if room else 0)
+        return max(0, min(self.max_model_len, pool_tokens))
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:  # fmt: skip
         params = SamplingParams() if params is None else params

@@ -13,16 +13,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from k3.chat import ChatEncoder, ChatFormatError
 from k3.demo.server import routing_app
 from k3.server.chat_stream import ChatChoice
-from k3.server.errors import APIError, error_body, install_error_handlers
-from k3.server.guard import Guard, ServerState
+from k3.server.errors import APIError, Shield, error_body, install_error_handlers
+from k3.server.guard import ClientGone, Guard, ServerState
 from k3.server.images import image_spans, splice_images, take_images
 from k3.server.limits import ServerLimits
 from k3.server.logprobs import ChatLogprobs, CompletionLogprobs, TokenText
 from k3.server.metrics import ServerMetrics
 from k3.server.params import (
+    Capacity,
     Submission,
     chat_logprobs,
     chat_max_tokens,
+    check_admittable,
     check_common,
     completion_prompts,
     completion_submissions,
@@ -30,7 +32,7 @@ from k3.server.params import (
     stop_strings,
 )
 from k3.server.protocol import ChatCompletionRequest, ChatTemplateKwargs, CompletionRequest
-from k3.server.run import Run
+from k3.server.run import EngineFailed, Run, ShutDown
 from k3.server.sse import DONE, sse_event
 
 log = logging.getLogger("k3.server")
@@ -47,6 +49,7 @@ class Server:
     state: ServerState
     chat: ChatEncoder | None
     chat_error: str | None
+    capacity: Capacity | None = None  # None: the engine does not say (a test's scripted engine)
     token_text: TokenText | None = field(default=None)  # made on first use: only log-probabilities need it
 
     @property
@@ -62,6 +65,19 @@ class Server:
     def vocab_size(self) -> int:
         return self.engine.engine.model.config.vocab_size
 
+    def run(self, prefix: str) -> Run:
+        return Run(self.engine, self.metrics, prefix, self.limits.max_stream_backlog)
+
+
+def engine_capacity(engine) -> Capacity | None:
+    """What the engine can hold, read once: its pool and scheduler bounds do not change while it runs."""
+    inner = engine.engine
+    if not hasattr(inner, "max_request_tokens"):
+        return None
+    config = inner.scheduler.config
+    waiting = config.max_num_seqs + config.max_waiting_requests
+    return Capacity(inner.max_request_tokens, waiting, config.max_waiting_tokens)
+
 
 def create_app(engine, model_name: str, limits: ServerLimits, api_key: str | None = None,
                state: ServerState | None = None) -> FastAPI:  # fmt: skip
@@ -71,19 +87,25 @@ def create_app(engine, model_name: str, limits: ServerLimits, api_key: str | Non
         chat, chat_error = ChatEncoder(engine.engine.tokenizer), None
     except (ChatFormatError, TypeError) as e:
         chat, chat_error = None, f"this model's tokenizer has no chat format: {e}"
-    srv = Server(engine, model_name, limits, ServerMetrics(engine.stats), state or ServerState(), chat, chat_error)
+    metrics = ServerMetrics(engine.stats)
+    srv = Server(engine, model_name, limits, metrics, state or ServerState(), chat, chat_error, engine_capacity(engine))
     app = FastAPI(title="k3", version="1", summary="Kimi K3 behind an OpenAI-compatible API")
     app.state.server = srv
     install_error_handlers(app)
     _routes(app, srv)
-    app.mount("/demo/routing", routing_app())  # the routing figure (docs/routing.md); it needs no engine
-    app.add_middleware(Guard, max_body_bytes=limits.max_body_bytes, api_key=api_key, state=srv.state)
+    if api_key is None:
+        # the routing figure (docs/routing.md) is open to anyone who can connect and costs CPU beside the
+        # engine: a server that asks for a key does not offer it (`k3 demo routing` serves it on its own)
+        app.mount("/demo/routing", routing_app())
+    app.add_middleware(Shield, passthrough=(ClientGone,))  # innermost: what no route handled
+    app.add_middleware(Guard, limits=limits, api_key=api_key, state=srv.state, metrics=metrics)
     return app
 
 
 @asynccontextmanager
 async def _cancel_on_disconnect(request: Request, run: Run):
-    """A non-streaming request whose client goes away is cancelled too (streams are cancelled by Starlette)."""
+    """A non-streaming request whose client goes away is cancelled too (streams are cancelled by Starlette);
+    one whose requests ended early is answered with the error."""
 
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -93,9 +115,19 @@ async def _cancel_on_disconnect(request: Request, run: Run):
     task = asyncio.create_task(watch())
     try:
         yield
+    except (EngineFailed, ShutDown) as e:
+        raise _ended_early(e) from None
     finally:
         task.cancel()
         run.cancel()
+
+
+def _ended_early(e: Exception) -> APIError:
+    """What a client is told when its requests ended without finishing: the server shut down (503), or
+    computing them failed (500; the engine's own error text is in the log, not in the answer)."""
+    if isinstance(e, ShutDown):
+        return APIError(503, str(e), code="shutting_down")
+    return APIError(500, str(e), code="generation_failed")
 
 
 def _sse(events, run: Run) -> StreamingResponse:
@@ -103,9 +135,12 @@ def _sse(events, run: Run) -> StreamingResponse:
         try:
             async for event in events:
                 yield event
-        except Exception as e:  # the stream has begun (status 200 sent): the error travels as an event
+        except (EngineFailed, ShutDown) as e:  # the stream has begun (status 200 sent): an error event
+            err = _ended_early(e)
+            yield sse_event(error_body(err.status, err.message, code=err.code))
+        except Exception:
             log.exception("k3 server: stream %s failed", run.id)
-            yield sse_event(error_body(500, f"generation failed ({type(e).__name__}: {e})"))
+            yield sse_event(error_body(500, "generation failed on the server; the server log has the details"))
         finally:
             run.cancel()  # a client gone mid-stream lands here (Starlette cancels the body): free its requests
         yield DONE
@@ -137,8 +172,8 @@ def _routes(app: FastAPI, srv: Server) -> None:
     async def completions(body: CompletionRequest, request: Request):
         check_common(body, srv.model_name, srv.limits)
         prompts = completion_prompts(body, srv.tokenizer.encode, srv.vocab_size, srv.limits)
-        run = Run(srv.engine, srv.metrics, "cmpl")
-        await run.submit(completion_submissions(body, prompts, srv.limits))
+        run = srv.run("cmpl")
+        await run.submit(completion_submissions(body, prompts, srv.limits, srv.capacity))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         logprobs = {i: CompletionLogprobs(srv.texts()) for i in run.choices} if body.logprobs is not None else {}
 
@@ -206,13 +241,14 @@ def _routes(app: FastAPI, srv: Server) -> None:
         if images:  # the tower runs off the event loop; k3.server.images
             spans = await asyncio.to_thread(image_spans, srv.engine.engine.images, srv.tokenizer, images)
             ids = splice_images(srv.chat, rendered.segments, spans, sentinel)
-        max_tokens = chat_max_tokens(body, len(ids), srv.limits)
+        max_tokens = chat_max_tokens(body, len(ids), srv.limits, srv.capacity)
         want_logprobs = chat_logprobs(body)
         end = (srv.chat.token_ids.end_of_msg,)
         # stop strings apply to the parsed content, not to the raw token stream (which carries the structure)
         subs = [Submission(j, 0, ids, sampling_params(body, max_tokens, j, (), end, want_logprobs))
                 for j in range(body.n)]  # fmt: skip
-        run = Run(srv.engine, srv.metrics, "chatcmpl")
+        check_admittable(subs, srv.capacity, "n")
+        run = srv.run("chatcmpl")
         await run.submit(subs)
         stop = stop_strings(body)
         parsed = {j: ChatChoice(srv.chat, options.thinking, stop) for j in run.choices}

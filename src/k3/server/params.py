@@ -46,24 +46,78 @@ def stop_strings(body: CompletionRequest | ChatCompletionRequest) -> tuple[str, 
     return (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
 
 
-def max_tokens_for(requested: int | None, param: str, prompt_tokens: int, limits: ServerLimits,
-                   default: int | None, prompt_param: str = "prompt") -> int:  # fmt: skip
-    """The output budget of one prompt: the request's, or the default capped by what the context leaves."""
-    room = limits.max_model_len - prompt_tokens
+@dataclass(frozen=True)
+class Capacity:
+    """What the engine behind the server can hold: request_tokens, the most prompt + max_tokens of one request
+    (its context, or what the page pool holds for one request alone if less); sequences, the most choices one
+    HTTP request may have (running + waiting at once); waiting_tokens, the prompt tokens the queue takes."""
+
+    request_tokens: int
+    sequences: int
+    waiting_tokens: int
+
+
+def max_tokens_for(
+    requested: int | None,
+    param: str,
+    prompt_tokens: int,
+    limits: ServerLimits,
+    default: int | None,
+    prompt_param: str = "prompt",
+    capacity: Capacity | None = None,
+) -> int:
+    """The output budget of one prompt: the request's, or the default capped by what the context and the page
+    pool leave (a request that sets nothing is never refused for a budget it did not ask for)."""
+    context, why = limits.max_model_len, "the context is {:,} tokens (--max-model-len)"
+    if capacity is not None and capacity.request_tokens < context:
+        context, why = capacity.request_tokens, "the page pool holds {:,} tokens for one request (--num-pages)"
+    why = why.format(context)
+    room = context - prompt_tokens
     if room < 1:
-        raise APIError(400, f"the prompt has {prompt_tokens:,} tokens; the context is {limits.max_model_len:,} "
-                       "(--max-model-len), which leaves no room to generate: shorten the prompt",
-                       param=prompt_param, code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"the prompt has {prompt_tokens:,} tokens and {why}, which leaves no room to generate: shorten the prompt",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     if requested is None:
         return min(limits.max_tokens, room, default if default is not None else room)
     if requested > limits.max_tokens:
-        raise APIError(400, f"{param}={requested:,} exceeds the server's limit of {limits.max_tokens:,} "
-                       "(--max-tokens-limit)", param=param)  # fmt: skip
-    if prompt_tokens + requested > limits.max_model_len:
-        raise APIError(400, f"the prompt's {prompt_tokens:,} tokens + {param}={requested:,} exceed the context of "
-                       f"{limits.max_model_len:,} tokens (--max-model-len); shorten the prompt or lower {param}",
-                       param=param, code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"{param}={requested:,} exceeds the server's limit of {limits.max_tokens:,} (--max-tokens-limit)",
+            param=param,
+        )
+    if requested > room:
+        raise APIError(
+            400,
+            f"the prompt's {prompt_tokens:,} tokens + {param}={requested:,} exceed what this server "
+            f"can hold: {why}; shorten the prompt or lower {param}",
+            param=param,
+            code="context_length_exceeded",
+        )
     return requested
+
+
+def check_admittable(subs: list["Submission"], capacity: Capacity | None, param: str) -> None:
+    """A request the engine could never take whole (more choices than it runs and queues at once, or a prompt
+    longer than its queue holds) is a 400, not a 429 that no retry can pass."""
+    if capacity is None:
+        return
+    if len(subs) > capacity.sequences:
+        raise APIError(
+            400,
+            f"this request asks for {len(subs):,} sequences (prompts × n); the engine runs and "
+            f"queues at most {capacity.sequences:,} at once: lower n or send fewer prompts",
+            param=param,
+        )
+    longest = max((len(s.prompt_ids) for s in subs), default=0)
+    if longest > capacity.waiting_tokens:
+        raise APIError(
+            400,
+            f"a prompt of {longest:,} tokens; the engine's queue holds at most {capacity.waiting_tokens:,}",
+            param="messages" if param == "messages" else "prompt",
+        )
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int,
@@ -99,8 +153,10 @@ def completion_prompts(body: CompletionRequest, encode, vocab_size: int, limits:
                        param="prompt")  # fmt: skip
     out = []
     for i, prompt in enumerate(prompts):
-        ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            check_text(prompt, where, "prompt")
+        ids = encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise APIError(400, f"{where} is empty", param="prompt")
         if max(ids) >= vocab_size:
@@ -110,7 +166,23 @@ def completion_prompts(body: CompletionRequest, encode, vocab_size: int, limits:
     return out
 
 
-def completion_submissions(body: CompletionRequest, prompts: list[list[int]], limits: ServerLimits) -> list[Submission]:
+def check_text(text: str, where: str, param: str) -> None:
+    """Text the tokenizer will see must be encodable UTF-8: a lone surrogate ("\\ud800", which JSON can spell)
+    is a 400 naming where it is, not a tokenizer exception."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(
+            400,
+            f"{where}: {text[e.start : e.end]!a} at character {e.start} is a lone surrogate, "
+            "which is not text (UTF-8 cannot encode it)",
+            param=param,
+        ) from None
+
+
+def completion_submissions(
+    body: CompletionRequest, prompts: list[list[int]], limits: ServerLimits, capacity: Capacity | None = None
+) -> list[Submission]:
     if body.echo:
         raise _unsupported("echo", "the prompt is not returned with the completion")
     if body.suffix:
@@ -120,10 +192,13 @@ def completion_submissions(body: CompletionRequest, prompts: list[list[int]], li
     stop = stop_strings(body)
     subs = []
     for i, ids in enumerate(prompts):
-        max_tokens = max_tokens_for(body.max_tokens, "max_tokens", len(ids), limits, DEFAULT_MAX_TOKENS)
+        max_tokens = max_tokens_for(
+            body.max_tokens, "max_tokens", len(ids), limits, DEFAULT_MAX_TOKENS, "prompt", capacity
+        )
         for j in range(body.n):
             params = sampling_params(body, max_tokens, j, stop, logprobs=body.logprobs)
             subs.append(Submission(i * body.n + j, i, ids, params))
+    check_admittable(subs, capacity, "n" if len(prompts) == 1 else "prompt")
     return subs
 
 
@@ -136,8 +211,11 @@ def chat_logprobs(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def chat_max_tokens(body: ChatCompletionRequest, prompt_tokens: int, limits: ServerLimits) -> int:
+def chat_max_tokens(
+    body: ChatCompletionRequest, prompt_tokens: int, limits: ServerLimits, capacity: Capacity | None = None
+) -> int:
     if body.max_completion_tokens is not None:
-        return max_tokens_for(body.max_completion_tokens, "max_completion_tokens", prompt_tokens, limits, None,
-                              "messages")  # fmt: skip
-    return max_tokens_for(body.max_tokens, "max_tokens", prompt_tokens, limits, None, "messages")
+        return max_tokens_for(
+            body.max_completion_tokens, "max_completion_tokens", prompt_tokens, limits, None, "messages", capacity
+        )
+    return max_tokens_for(body.max_tokens, "max_tokens", prompt_tokens, limits, None, "messages", capacity)

@@ -2,6 +2,7 @@
 they arrive, cancelled together when the client goes away; and the usage and metrics they add up to."""
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -14,9 +15,16 @@ from k3.server.errors import APIError, overloaded
 from k3.server.metrics import ServerMetrics
 from k3.server.params import Submission
 
+log = logging.getLogger("k3.server")
+
 
 class EngineFailed(RuntimeError):
-    """A step computing this request raised; the engine aborted it and goes on with the others."""
+    """Computing this request raised; the engine ended it and goes on with the others. The message is for
+    the client (the engine's error text is for the log: it names internals)."""
+
+
+class ShutDown(RuntimeError):
+    """The engine aborted this request without the client asking: the server shut down before it finished."""
 
 
 @dataclass
@@ -29,11 +37,13 @@ class _Choice:
     output_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    cancelled: bool = False  # the server cancelled it (client gone, stop string, request over)
+    counted: bool = False  # its end is in k3_requests_finished_total
 
 
 class Run:
-    def __init__(self, engine, metrics: ServerMetrics, prefix: str):
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine, metrics: ServerMetrics, prefix: str, max_backlog: int | None = None):
+        self.engine, self.metrics, self.max_backlog = engine, metrics, max_backlog
         self.id = f"{prefix}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.choices: dict[int, _Choice] = {}
@@ -44,19 +54,17 @@ class Run:
         submit_async waits for the engine loop to admit (up to one step) without blocking the event loop."""
         try:
             for s in subs:
-                handle = await self.engine.submit_async(s.prompt_ids, s.params, request_id=f"{self.id}-{s.index}")
+                rid = f"{self.id}-{s.index}"
+                handle = await self.engine.submit_async(s.prompt_ids, s.params, rid, self.max_backlog)
                 self.choices[s.index] = _Choice(s, handle, time.perf_counter(), prompt_tokens=len(s.prompt_ids))
         except Overloaded as e:
-            self.cancel()
-            self.metrics.rejections.labels("429").inc()
+            self.cancel(count=False)
             raise overloaded(e.retry_after, str(e)) from None
         except EngineClosed:
-            self.cancel()
-            self.metrics.rejections.labels("503").inc()
+            self.cancel(count=False)
             raise APIError(503, "the server is shutting down and takes no new requests", code="shutting_down") from None
         except (ValueError, TypeError) as e:  # e.g. the request needs more pages than the pool has
-            self.cancel()
-            self.metrics.rejections.labels("400").inc()
+            self.cancel(count=False)
             raise APIError(400, str(e)) from None
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -67,7 +75,8 @@ class Run:
                 self._record(choice, out)
                 yield index, out
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        # bounded: when the response is not read, the pumps stop and the handles' own backlog bound applies
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.max_backlog or 0)
 
         async def pump(index: int, choice: _Choice) -> None:
             try:
@@ -102,17 +111,29 @@ class Run:
         choice.cached_tokens = out.num_cached_tokens
         if out.finished:
             choice.finish_reason = out.finish_reason
-            self.metrics.requests.labels(out.finish_reason or "unknown").inc()
-            if out.finish_reason == ERROR:  # the engine's step failed: the server's fault, not the request's
-                raise EngineFailed(f"generation failed: {out.error}")
+            self._count(choice, out.finish_reason or "unknown")
+            if out.finish_reason == ERROR:  # computing it failed: the server's fault, not the request's
+                log.error("k3 server: %s failed in the engine: %s", choice.handle.request_id, out.error)
+                raise EngineFailed("generation failed on the server; the server log has the details")
+            if out.finish_reason == "abort" and not choice.cancelled:
+                raise ShutDown("the server shut down before this request finished")
 
-    def cancel(self) -> None:
-        """Abort every choice not finished (their pages and state are freed by the engine)."""
+    def _count(self, choice: _Choice, reason: str) -> None:
+        if not choice.counted:
+            choice.counted = True
+            self.metrics.requests.labels(reason).inc()
+
+    def cancel(self, count: bool = True) -> None:
+        """Abort every choice not finished (their pages and state are freed by the engine); each is counted as
+        finished with reason "abort" unless count is False (a request refused at submission never ran)."""
         for task in self._tasks:
             task.cancel()
         for choice in self.choices.values():
             if not choice.handle.finished:
+                choice.cancelled = True
                 choice.handle.cancel()
+                if count:
+                    self._count(choice, "abort")
 
     def usage(self) -> dict:
         """OpenAI's usage: each prompt counted once; cached_tokens is the prefix-cache hit of its choices."""
