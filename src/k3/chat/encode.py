@@ -9,6 +9,7 @@ refused: a lone UTF-16 surrogate (a JSON "\\ud800" without its pair, which Pytho
 `tokenizers` raise a TypeError, which would surface as a server error instead of a 400."""
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -41,7 +42,7 @@ def check_encodable(texts: list[str]) -> None:
 
 @dataclass(frozen=True)
 class RenderedChat:
-    """tool_names: what the reply may call."""
+    """tool_names: what the reply may call (give it to the parser: stream_parser(tool_names=...))."""
 
     segments: list[Segment]
     ids: list[int]
@@ -88,11 +89,22 @@ class ChatEncoder:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def stream_parser(self, *, thinking: bool = True, id_prefix: str | None = None) -> ChatStreamParser:
-        """A parser fed the generated token ids; `thinking` must match the prompt's."""
-        return ChatStreamParser(IdLexer(self.token_ids, self.decode), thinking=thinking, id_prefix=id_prefix)
+    def stream_parser(
+        self, *, thinking: bool = True, id_prefix: str | None = None, tool_names: Collection[str] = frozenset()
+    ) -> ChatStreamParser:
+        """A parser fed the generated token ids; `thinking` must match the prompt's, `tool_names` is the
+        rendered prompt's (RenderedChat.tool_names): calls to other names are not returned."""
+        lexer = IdLexer(self.token_ids, self.decode)
+        return ChatStreamParser(lexer, thinking=thinking, id_prefix=id_prefix, tool_names=tool_names)
 
-    def parse(self, ids: list[int], *, thinking: bool = True, id_prefix: str | None = None) -> dict:
+    def parse(
+        self,
+        ids: list[int],
+        *,
+        thinking: bool = True,
+        id_prefix: str | None = None,
+        tool_names: Collection[str] = frozenset(),
+    ) -> dict:
         """Non-streaming parse of generated ids: the merge of the streaming deltas."""
-        parser = self.stream_parser(thinking=thinking, id_prefix=id_prefix)
+        parser = self.stream_parser(thinking=thinking, id_prefix=id_prefix, tool_names=tool_names)
         return merge_deltas([parser.feed(list(ids)), parser.finish()])

@@ -9,29 +9,51 @@ The output continues the generation prompt, so it starts inside the `think` chan
     <|close|>tools<|sep|>]
     <|close|>message<|sep|><|end_of_msg|>
 
-Nothing the model writes is dropped and nothing raises: a tag this grammar does not allow where it
-appears (unknown name, bad header, a close that matches nothing) is returned in `content` spelled out,
-text outside any channel is `content`, channels left open are closed at the end, and unknown attributes
-are ignored. Tool-call `arguments` are a JSON object built as the typed `argument` segments arrive:
-string values stream JSON-escaped, other values are kept verbatim when they are JSON (else as a string).
+The rules are vLLM's K3 parsers' where they decide (sources in docs/chat.md):
+- reasoning is everything up to the first `<|close|>think<|sep|>`, markup included: inside `think` any
+  other tag or stray `<|sep|>` is reasoning text, spelled out. A think never closed is all reasoning.
+- after it, a tag not allowed where it appears (unknown name, bad header, a close matching nothing) is
+  spelled out into `content`, text outside any channel is `content`, unknown attributes are ignored;
+- a tool call is returned once its `<|close|>call<|sep|>` arrives, whole, as one delta entry; a call left
+  open (cut by max_tokens, or ended by the tools channel's or the message's end) is not returned, and its
+  text is kept in `ChatStreamParser.dropped` (for logs) instead;
+- only calls to the names the request allows (`tool_names`) are returned: a call to another name is
+  spelled out into `content`, and with no names the tools channel itself is;
+- `arguments` is json.dumps of the object the `argument` elements make (a later duplicate key wins):
+  string values as written, other values decoded as JSON when they are JSON within k3's bounds (finite,
+  at most 64 levels deep; k3.chat.values), else kept as a string. A `json` block is returned as its text.
+Nothing raises; apart from `dropped`, no text the model wrote is lost.
 """
 
 import json
 import re
 import secrets
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from k3.chat.lexer import SPELLING, Event, IdLexer, TextLexer
 from k3.chat.render import unescape_attr
+from k3.chat.values import parse_json_value
 
 _ATTR = re.compile(r'\s+([A-Za-z_][\w.:-]*)="([^"]*)"')
 _TAG = re.compile(r"[A-Za-z_][\w-]*")
+# a close tag -> the states it closes (think only closes think: inside it every other close is reasoning)
+_CLOSES = {
+    "think": ("think",),
+    "response": ("response",),
+    "argument": ("argument",),
+    "json": ("json",),
+    "call": ("call", "argument", "json"),
+    "tools": ("tools", "call", "argument", "json"),
+    "message": ("response", "between", "tools", "call", "argument", "json"),
+}
 
 
 @dataclass
 class ChatDelta:
-    """One step's output; tool_calls holds OpenAI delta entries ({"index", "id", "type", "function"})."""
+    """One step's output; tool_calls holds OpenAI delta entries ({"index", "id", "type", "function"}), each
+    a whole call (vLLM's shape), so no two entries of a reply share an index."""
 
     reasoning_content: str = ""
     content: str = ""
@@ -40,11 +62,20 @@ class ChatDelta:
     def __bool__(self) -> bool:
         return bool(self.reasoning_content or self.content or self.tool_calls)
 
+    def __add__(self, other: "ChatDelta") -> "ChatDelta":
+        """The delta of this step followed by other's."""
+        return ChatDelta(
+            self.reasoning_content + other.reasoning_content,
+            self.content + other.content,
+            self.tool_calls + other.tool_calls,
+        )
+
     def to_openai(self) -> dict:
-        """The `delta` object of a chat.completion.chunk (empty fields left out)."""
+        """The `delta` object of a chat.completion.chunk (empty fields left out). The reasoning goes under
+        both names clients read: `reasoning_content` (SGLang, llama.cpp, DeepSeek) and `reasoning` (vLLM)."""
         out: dict[str, Any] = {}
         if self.reasoning_content:
-            out["reasoning_content"] = self.reasoning_content
+            out["reasoning_content"] = out["reasoning"] = self.reasoning_content
         if self.content:
             out["content"] = self.content
         if self.tool_calls:
@@ -66,17 +97,14 @@ def _header(text: str) -> tuple[str, dict[str, str]] | None:
     return (m.group(), attrs) if text[at:].strip() == "" else None
 
 
-def _json_or_none(raw: str) -> str | None:
-    """raw when it is one JSON value (no NaN/Infinity, which other parsers refuse), else None."""
+@dataclass
+class _Call:
+    """A call being read. `written`: its markup and text as the model wrote them (what `dropped` keeps)."""
 
-    def refuse(token: str):
-        raise ValueError(token)
-
-    try:
-        json.loads(raw, parse_constant=refuse)
-    except (ValueError, RecursionError):
-        return None
-    return raw
+    name: str
+    written: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    raw: str | None = None  # a json block's text
 
 
 class ChatStreamParser:
@@ -85,15 +113,25 @@ class ChatStreamParser:
     States: think, response (the channels), between (inside the message, no channel open), tools, call,
     argument, json (raw arguments block), after (the message has ended)."""
 
-    def __init__(self, lexer: IdLexer | TextLexer, *, thinking: bool = True, id_prefix: str | None = None):
+    def __init__(
+        self,
+        lexer: IdLexer | TextLexer,
+        *,
+        thinking: bool = True,
+        id_prefix: str | None = None,
+        tool_names: Collection[str] = frozenset(),
+    ):
         self.lexer = lexer
+        self.tool_names = frozenset(tool_names)
         self.state = "think" if thinking else "response"
+        self.fresh = True  # nothing written in the current channel yet: its opener echoed is ignored
         self.id_prefix = id_prefix if id_prefix is not None else f"call_{secrets.token_hex(6)}_"
         self.tag: tuple[str, str] | None = None  # ("open" | "close", header text so far) between marker and sep
-        self.calls = 0
-        self.call_args = 0  # arguments written in the open call; -1 once it holds a json block
-        self.arg_type = "string"
-        self.buffer = ""  # a non-string argument's or a json block's text, judged when it closes
+        self.calls = 0  # calls returned so far
+        self.call: _Call | None = None
+        self.arg_key, self.arg_type = "", "string"
+        self.buffer = ""  # the open argument's or json block's text
+        self.dropped = ""  # the text of calls left open, which are not returned
         self.out = ChatDelta()
 
     def feed(self, chunk: list[int] | str) -> ChatDelta:
@@ -102,26 +140,26 @@ class ChatStreamParser:
         return self._take()
 
     def finish(self) -> ChatDelta:
-        """End of output: flush held text, spell out a half-read tag, close whatever is open."""
+        """End of output: flush held text, spell out a half-read tag, drop a call left open."""
         for event in self.lexer.finish():
             self._event(event)
         self._spell_pending_tag()
-        self._close_to("after")
+        self._end_message()
         return self._take()
 
     def _take(self) -> ChatDelta:
         out, self.out = self.out, ChatDelta()
         return out
 
-    def _content(self, text: str) -> None:
-        self.out.content += text
-
-    def _arguments(self, piece: str) -> None:
-        calls = self.out.tool_calls
-        if calls and calls[-1]["index"] == self.calls - 1:
-            calls[-1]["function"]["arguments"] += piece
+    def _loose(self, text: str) -> None:
+        """Text that belongs to no element: reasoning while think is open, else content."""
+        if self.call is not None:
+            self.call.written += text
+        if self.state == "think":
+            self.out.reasoning_content += text
         else:
-            calls.append({"index": self.calls - 1, "function": {"arguments": piece}})
+            self.out.content += text
+        self.fresh = self.fresh and not text
 
     def _event(self, event: Event) -> None:
         kind, text = event
@@ -140,64 +178,48 @@ class ChatStreamParser:
         elif kind in ("open", "close"):
             self.tag = (kind, "")
         elif kind == "sep":
-            self._content(text)
+            self._loose(text)
         else:
-            self._close_to("after")
+            self._end_message()
 
     def _spell_pending_tag(self) -> None:
         if self.tag is not None:
             which, header = self.tag
             self.tag = None
-            self._content(SPELLING[which] + header)
+            self._loose(SPELLING[which] + header)
 
     def _text(self, text: str) -> None:
-        if self.state == "think":
-            self.out.reasoning_content += text
-        elif self.state == "response":
-            self._content(text)
-        elif self.state == "argument" and self.arg_type == "string":
-            self._arguments(json.dumps(text, ensure_ascii=False)[1:-1])
-        elif self.state in ("argument", "json"):
+        if self.state in ("argument", "json"):
+            self.call.written += text
             self.buffer += text
         else:
-            self._content(text)
+            self._loose(text)
 
     def _spell(self, which: str, header: str) -> None:
-        self._content(SPELLING[which] + header + SPELLING["sep"])
+        self._loose(SPELLING[which] + header + SPELLING["sep"])
+
+    def _enter(self, state: str) -> None:
+        self.state, self.fresh = state, True
 
     def _open(self, header: str) -> None:
         parsed = _header(header)
         tag, attrs = parsed if parsed is not None else ("", {})
-        state = self.state
-        if tag in ("think", "response") and state in ("think", "response", "between") and not attrs:
-            # the same channel again is the prompt's opener echoed: nothing to do
-            if tag != state:
-                self._close_to("between")
-                self.state = tag
-        elif tag == "tools" and state in ("think", "response", "between") and not attrs:
-            self._close_to("between")
-            self.state = "tools"
-        elif tag == "call" and state == "tools" and attrs.get("tool"):
-            self.calls += 1
-            self.call_args = 0
-            self.out.tool_calls.append(
-                {
-                    "index": self.calls - 1,
-                    "id": f"{self.id_prefix}{self.calls - 1}",
-                    "type": "function",
-                    "function": {"name": attrs["tool"], "arguments": ""},
-                }
-            )
+        state, call, spelled = self.state, self.call, SPELLING["open"] + header + SPELLING["sep"]
+        if tag == state and state in ("think", "response") and not attrs and self.fresh:
+            pass  # the prompt's opener echoed
+        elif tag in ("think", "response") and state in ("response", "between") and tag != state and not attrs:
+            self._enter(tag)
+        elif tag == "tools" and state in ("response", "between") and not attrs and self.tool_names:
+            self._enter("tools")
+        elif tag == "call" and state == "tools" and attrs.get("tool") in self.tool_names:
+            self.call = _Call(attrs["tool"], spelled)
             self.state = "call"
-        elif tag == "argument" and state == "call" and self.call_args >= 0 and "key" in attrs:
-            self.arg_type = attrs.get("type", "string")
-            piece = ("{" if self.call_args == 0 else ", ") + json.dumps(attrs["key"], ensure_ascii=False) + ": "
-            self._arguments(piece + ('"' if self.arg_type == "string" else ""))
-            self.call_args += 1
-            self.buffer = ""
+        elif tag == "argument" and state == "call" and call.raw is None and "key" in attrs:
+            call.written += spelled
+            self.arg_key, self.arg_type, self.buffer = attrs["key"], attrs.get("type", "string"), ""
             self.state = "argument"
-        elif tag == "json" and state == "call" and self.call_args == 0:
-            self.call_args = -1
+        elif tag == "json" and state == "call" and call.raw is None and not call.arguments:
+            call.written += spelled
             self.buffer = ""
             self.state = "json"
         else:
@@ -205,52 +227,60 @@ class ChatStreamParser:
 
     def _close(self, header: str) -> None:
         tag = header.strip()
-        state = self.state
-        closes = {
-            "think": ("think",),
-            "response": ("response",),
-            "argument": ("argument",),
-            "json": ("json",),
-            "call": ("call", "argument", "json"),
-            "tools": ("tools", "call", "argument", "json"),
-            "message": ("think", "response", "between", "tools", "call", "argument", "json"),
-        }
-        if state not in closes.get(tag, ()):
+        if self.state not in _CLOSES.get(tag, ()):
             self._spell("close", header)
         elif tag in ("argument", "json"):
+            self.call.written += SPELLING["close"] + header + SPELLING["sep"]
             self._end_value()
         elif tag == "call":
-            self._close_to("tools")
-        else:
-            self._close_to("between" if tag != "message" else "after")
+            self._end_value()
+            self._return_call()
+        elif tag == "message":
+            self._end_message()
+        else:  # think, response or tools: back between channels (a call still open in tools is dropped)
+            self._drop_call()
+            self._enter("between")
 
     def _end_value(self) -> None:
-        """Closes the open argument or json block; the call stays open."""
+        """Closes the open argument or json block, if any, into the call, which stays open."""
         if self.state == "argument":
-            if self.arg_type == "string":
-                self._arguments('"')
-            else:
-                self._arguments(_json_or_none(self.buffer) or json.dumps(self.buffer, ensure_ascii=False))
+            ok, value = (True, self.buffer) if self.arg_type == "string" else parse_json_value(self.buffer)
+            self.call.arguments[self.arg_key] = value if ok else self.buffer
         elif self.state == "json":
-            self._arguments(self.buffer)
+            self.call.raw = self.buffer
+        else:
+            return
         self.buffer = ""
         self.state = "call"
 
-    def _close_to(self, target: str) -> None:
-        """Close open elements from the innermost out until `target` (tools, between or after) is reached."""
-        if self.state in ("argument", "json"):
-            self._end_value()
-        if self.state == "call":
-            self._arguments("{}" if self.call_args == 0 else "}" if self.call_args > 0 else "")
-            self.state = "tools"
-        if target == "tools":
-            return
-        if self.state != "after":
-            self.state = target
+    def _return_call(self) -> None:
+        call, self.call = self.call, None
+        arguments = call.raw if call.raw is not None else json.dumps(call.arguments, ensure_ascii=False)
+        self.out.tool_calls.append(
+            {
+                "index": self.calls,
+                "id": f"{self.id_prefix}{self.calls}",
+                "type": "function",
+                "function": {"name": call.name, "arguments": arguments},
+            }
+        )
+        self.calls += 1
+        self.state = "tools"
+
+    def _drop_call(self) -> None:
+        if self.call is not None:
+            self.dropped += self.call.written
+            self.call, self.buffer = None, ""
+
+    def _end_message(self) -> None:
+        """`<|close|>message<|sep|>`, `<|end_of_msg|>` or the end of output: whatever is open ends."""
+        self._drop_call()
+        self._enter("after")
 
 
 def merge_deltas(deltas: list[ChatDelta]) -> dict:
-    """The assistant message a sequence of deltas adds up to (OpenAI shape; empty fields are None)."""
+    """The assistant message a sequence of deltas adds up to (OpenAI shape; empty fields are None). The
+    reasoning is under both `reasoning_content` and `reasoning`, as in ChatDelta.to_openai."""
     reasoning = "".join(d.reasoning_content for d in deltas)
     content = "".join(d.content for d in deltas)
     calls: dict[int, dict] = {}
@@ -265,16 +295,21 @@ def merge_deltas(deltas: list[ChatDelta]) -> dict:
         "role": "assistant",
         "content": content or None,
         "reasoning_content": reasoning or None,
+        "reasoning": reasoning or None,
         "tool_calls": [calls[i] for i in sorted(calls)] or None,
     }
 
 
-def text_stream_parser(*, thinking: bool = True, id_prefix: str | None = None) -> ChatStreamParser:
+def text_stream_parser(
+    *, thinking: bool = True, id_prefix: str | None = None, tool_names: Collection[str] = frozenset()
+) -> ChatStreamParser:
     """A parser fed decoded text in which the chat tokens appear spelled out."""
-    return ChatStreamParser(TextLexer(), thinking=thinking, id_prefix=id_prefix)
+    return ChatStreamParser(TextLexer(), thinking=thinking, id_prefix=id_prefix, tool_names=tool_names)
 
 
-def parse_text(text: str, *, thinking: bool = True, id_prefix: str | None = None) -> dict:
+def parse_text(
+    text: str, *, thinking: bool = True, id_prefix: str | None = None, tool_names: Collection[str] = frozenset()
+) -> dict:
     """Non-streaming parse of decoded text: the merge of the streaming deltas."""
-    parser = text_stream_parser(thinking=thinking, id_prefix=id_prefix)
+    parser = text_stream_parser(thinking=thinking, id_prefix=id_prefix, tool_names=tool_names)
     return merge_deltas([parser.feed(text), parser.finish()])
