@@ -252,6 +252,9 @@ def test_a_release_like_tokenizer_with_three_ordinary_chat_tokens_is_refused_and
     release = Tokenizer.from_str(pre_chat_tokenizer().tok.to_str())
     release.add_tokens(CHAT_SPECIAL_TOKENS[:3])
     release.add_special_tokens(CHAT_SPECIAL_TOKENS[3:])
+    text_only = Tokenizer.from_str(release.to_str())
+    text_only.encode_special_tokens = True  # how k3 tokenizes text: it stops special added tokens only
+    assert release.token_to_id(O) in text_only.encode(f"a{O}b", add_special_tokens=False).ids  # forged structure
     with pytest.raises(ChatFormatError, match=r"<\|open\|>, <\|close\|>, <\|sep\|> are added but not special"):
         chat_token_ids(release)
     fixed = with_chat_tokens(release)
