@@ -131,7 +131,8 @@ def served(model):
     try:
         engine = AsyncEngine(LLMEngine(model, TOK, EngineConfig(num_pages=400)))
         engine.start()
-        app = create_app(engine, MODEL, ServerLimits(max_model_len=256, max_tokens=32, max_n=2))
+        # 512: the default thinking-effort message alone is ~300 byte tokens of the prompt
+        app = create_app(engine, MODEL, ServerLimits(max_model_len=512, max_tokens=32, max_n=2))
         with ServerThread(app) as url:
             yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         engine.shutdown(drain_timeout=0)

@@ -167,9 +167,18 @@ def test_overload_is_429_and_memory_stays_bounded():
 
 def _fuzz(url: str, examples: int) -> int:
     """Every operation of the app's OpenAPI schema with schemathesis-generated requests, valid and invalid;
-    returns how many were sent. A 5xx fails."""
+    returns how many were sent. A 5xx fails, and so does a response the schema does not describe: a status
+    it does not list, another content type, or a body that does not match its model (k3.server.responses)."""
     import schemathesis
     from schemathesis import GenerationMode
+    from schemathesis.checks import (
+        content_type_conformance,
+        not_a_server_error,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     sent = 0
@@ -186,6 +195,7 @@ def _fuzz(url: str, examples: int) -> int:
                 response = case.call(base_url=url, timeout=60)
                 sent += 1
                 assert response.status_code < 500, (case.method, case.path, case.body, response.text)
+                case.validate_response(response, checks=checks)
 
             check()
     return sent
@@ -194,7 +204,8 @@ def _fuzz(url: str, examples: int) -> int:
 @pytest.fixture(scope="module")
 def fuzzed_server():
     engine = make_engine(num_pages=400)
-    app = create_app(engine, MODEL, ServerLimits(max_model_len=48, max_tokens=4, max_n=2, max_prompts=2))
+    # 1024: a chat prompt carries the thinking-effort message (~300 byte tokens) whatever the fuzzer sends
+    app = create_app(engine, MODEL, ServerLimits(max_model_len=1024, max_tokens=4, max_n=2, max_prompts=2))
     with ServerThread(app) as url:
         yield url, engine
     engine.shutdown(drain_timeout=0)

@@ -4,13 +4,14 @@
 
 import asyncio
 import logging
+import re
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from k3.chat import ChatEncoder, ChatFormatError
+from k3.chat import ChatEncoder, ChatFormatError, resolve_thinking
 from k3.demo.server import routing_app
 from k3.server.chat_stream import ChatChoice
 from k3.server.errors import APIError, Shield, error_body, install_error_handlers
@@ -32,6 +33,7 @@ from k3.server.params import (
     stop_strings,
 )
 from k3.server.protocol import ChatCompletionRequest, ChatTemplateKwargs, CompletionRequest
+from k3.server.responses import CHAT, COMPLETIONS, HEALTH, METRICS, MODELS, POST_ERRORS, install_openapi
 from k3.server.run import EngineFailed, Run, ShutDown
 from k3.server.sse import DONE, sse_event
 
@@ -92,6 +94,7 @@ def create_app(engine, model_name: str, limits: ServerLimits, api_key: str | Non
     app = FastAPI(title="k3", version="1", summary="Kimi K3 behind an OpenAI-compatible API")
     app.state.server = srv
     install_error_handlers(app)
+    install_openapi(app, model_name)
     _routes(app, srv)
     if api_key is None:
         # the routing figure (docs/routing.md) is open to anyone who can connect and costs CPU beside the
@@ -122,6 +125,17 @@ async def _cancel_on_disconnect(request: Request, run: Run):
         run.cancel()
 
 
+# a ChatFormatError's message starts with the field it is about; the rest are about the messages
+_CHAT_FIELDS = re.compile(r"(tool_choice|response_format|reasoning_effort|thinking_effort|tools)\b")
+
+
+def _chat_param(message: str) -> str:
+    field = _CHAT_FIELDS.match(message)
+    if field is None:
+        return "messages"
+    return "chat_template_kwargs.thinking_effort" if field.group(1) == "thinking_effort" else field.group(1)
+
+
 def _ended_early(e: Exception) -> APIError:
     """What a client is told when its requests ended without finishing: the server shut down (503), or
     computing them failed (500; the engine's own error text is in the log, not in the answer)."""
@@ -149,26 +163,26 @@ def _sse(events, run: Run) -> StreamingResponse:
 
 
 def _routes(app: FastAPI, srv: Server) -> None:
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH)
     async def health() -> JSONResponse:
         if srv.state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS)
     async def metrics() -> Response:
         # the engine's snapshot is taken between two steps: waited for in a thread, not on the event loop
         return Response(
             await asyncio.to_thread(srv.metrics.render), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=MODELS)
     async def models() -> dict:
         card = {"id": srv.model_name, "object": "model", "created": 0, "owned_by": "k3",
                 "max_model_len": srv.limits.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**COMPLETIONS, **POST_ERRORS})
     async def completions(body: CompletionRequest, request: Request):
         check_common(body, srv.model_name, srv.limits)
         prompts = completion_prompts(body, srv.tokenizer.encode, srv.vocab_size, srv.limits)
@@ -214,7 +228,7 @@ def _routes(app: FastAPI, srv: Server) -> None:
         return {"id": run.id, "object": "text_completion", "created": run.created, "model": srv.model_name,
                 "choices": choices, "usage": run.usage()}  # fmt: skip
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**CHAT, **POST_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_common(body, srv.model_name, srv.limits)
         if srv.chat is None:
@@ -224,16 +238,21 @@ def _routes(app: FastAPI, srv: Server) -> None:
         if images and getattr(srv.engine.engine, "images", None) is None:
             raise APIError(400, "image content needs a vision model; this one has no vision tower", param=images[0][0])
         try:
+            thinking, effort = resolve_thinking(
+                thinking=options.thinking,
+                thinking_effort=options.thinking_effort,
+                reasoning_effort=body.reasoning_effort,
+            )
             rendered = srv.chat.render(
                 messages,
                 [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
-                thinking=options.thinking,
-                thinking_effort=options.thinking_effort or body.reasoning_effort,
+                thinking=thinking,
+                thinking_effort=effort,
                 tool_choice=body.tool_choice,
                 response_format=body.response_format,
             )
         except ChatFormatError as e:
-            raise APIError(400, str(e), param="messages") from None
+            raise APIError(400, str(e), param=_chat_param(str(e))) from None
         ids = rendered.ids
         if max(ids, default=0) >= srv.vocab_size:
             raise APIError(400, f"the chat tokens' ids reach {max(ids)}; the model has {srv.vocab_size} tokens",
@@ -251,7 +270,7 @@ def _routes(app: FastAPI, srv: Server) -> None:
         run = srv.run("chatcmpl")
         await run.submit(subs)
         stop = stop_strings(body)
-        parsed = {j: ChatChoice(srv.chat, options.thinking, stop) for j in run.choices}
+        parsed = {j: ChatChoice(srv.chat, thinking, stop, rendered.tool_names) for j in run.choices}
         logprobs = {j: ChatLogprobs(srv.texts()) for j in run.choices} if want_logprobs is not None else {}
 
         def take_logprobs(j: int) -> dict | None:

@@ -85,15 +85,6 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart | ImagePart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-
-
 class FunctionDefinition(_Body):
     name: str
     description: str | None = None
@@ -106,10 +97,26 @@ class Tool(_Body):
     function: FunctionDefinition
 
 
-class ChatTemplateKwargs(_Body):
-    """K3's chat options: thinking on (the generation prompt opens `think`) or off (`response`)."""
+class ChatMessage(_Body):
+    """One message. A system or developer message may declare `tools` (rendered as a dynamic tool declaration,
+    its content then not rendered, as the release's renderer); an assistant message's reasoning is
+    `reasoning_content` (SGLang, llama.cpp) or `reasoning` (vLLM's newer name)."""
 
-    thinking: bool = True
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart | ImagePart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tools: list[Tool] | None = None
+
+
+class ChatTemplateKwargs(_Body):
+    """K3's chat options: thinking on (the generation prompt opens `think`) or off (`response`); absent, it is
+    on unless reasoning_effort is "none"."""
+
+    thinking: bool | None = None
     thinking_effort: str | None = None
 
 
@@ -119,7 +126,7 @@ class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
