@@ -60,7 +60,7 @@ def served():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     engine = make_engine(max_num_seqs=16, max_waiting_requests=32)
-    limits = ServerLimits(max_model_len=512, max_tokens=400, max_n=8, max_stream_backlog=16)
+    limits = ServerLimits(max_model_len=1024, max_tokens=400, max_n=8, max_stream_backlog=16)
     app = create_app(engine, MODEL, limits)
     try:
         with ServerThread(app, **uvicorn_options(limits)) as url:
@@ -293,5 +293,57 @@ def test_the_routing_demo_is_not_offered_by_a_server_with_an_api_key():
             assert httpx.get(url + "/demo/routing/api/limits").status_code == 404
         with ServerThread(create_app(engine, MODEL, ServerLimits(max_model_len=64))) as url:
             assert httpx.get(url + "/demo/routing/api/limits").status_code == 200
+    finally:
+        engine.shutdown(drain_timeout=0)
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "lone \ud800"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages"),
+        ({"tools": [{**TOOL, "function": {"name": "f", "parameters": {"x": float("nan")}}}]},
+         "tools.0.function.parameters.x"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"max": float("inf")}}}},
+         "response_format.json_schema.schema.max"),
+        ({"tools": [{**TOOL, "function": {"name": "f", "parameters": json.loads('{"a":' * 600 + "1" + "}" * 600)}}]},
+         "tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [TOOL]}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),  # no tools declared
+        ({"reasoning_effort": "enormous"}, "reasoning_effort"),
+    ],
+)  # fmt: skip
+def test_chat_bodies_that_were_500s_are_400s(served, extra, param, caplog):
+    url, _, _ = served
+    with httpx.Client(timeout=WAIT_S) as client, caplog.at_level(logging.ERROR):
+        r = post(url, "/v1/chat/completions", {**CHAT, **extra}, client)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.text
+        assert post(url, "/v1/chat/completions", CHAT, client).status_code == 200  # same connection, next request
+    assert "Traceback" not in caplog.text
+
+
+def test_named_tool_choice_and_reasoning_effort_none_are_served(served):
+    url, _, _ = served
+    named = {"tool_choice": {"type": "function", "function": {"name": "f"}}, "tools": [TOOL]}
+    assert post(url, "/v1/chat/completions", {**CHAT, **named}).status_code == 200
+    assert post(url, "/v1/chat/completions", {**CHAT, "reasoning_effort": "none"}).status_code == 200
+
+
+def test_a_chat_without_max_tokens_on_a_small_pool_gets_what_the_pool_holds():
+    engine = make_engine(num_pages=40)  # fewer tokens than the context, more than the prompt
+    capacity = engine.engine.max_request_tokens
+    try:
+        with ServerThread(create_app(engine, MODEL, ServerLimits(max_model_len=4096, max_tokens=4096))) as url:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+            r = post(url, "/v1/chat/completions", body)
+            assert r.status_code == 200, r.text
+            usage, reason = r.json()["usage"], r.json()["choices"][0]["finish_reason"]
+            total = usage["prompt_tokens"] + usage["completion_tokens"]
+            assert total == capacity if reason == "length" else total < capacity and reason in ("stop", "tool_calls")
     finally:
         engine.shutdown(drain_timeout=0)
