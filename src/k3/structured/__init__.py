@@ -1,0 +1,41 @@
+"""Structured outputs: grammars over bytes and special tokens, JSON Schema among them. A leaf package: it
+imports torch and `tokenizers`, nothing else of k3. docs/serving.md, "Structured outputs"."""
+
+from k3.structured.grammar import (
+    ByteSet,
+    Choice,
+    Grammar,
+    GrammarError,
+    Literal,
+    Repeat,
+    Rule,
+    Sequence,
+    Special,
+    State,
+    Text,
+    trim,
+)
+from k3.structured.json_lexemes import JsonNumber, JsonString, Whitespace
+from k3.structured.json_schema import JSON_MAX_WHITESPACE, InvalidSchema, Json, UnsupportedSchema
+
+__all__ = [
+    "JSON_MAX_WHITESPACE",
+    "ByteSet",
+    "Choice",
+    "Grammar",
+    "GrammarError",
+    "InvalidSchema",
+    "Json",
+    "JsonNumber",
+    "JsonString",
+    "Literal",
+    "Repeat",
+    "Rule",
+    "Sequence",
+    "Special",
+    "State",
+    "Text",
+    "UnsupportedSchema",
+    "Whitespace",
+    "trim",
+]
