@@ -134,6 +134,17 @@ def test_invalid_schemas(schema, message):
         Json(schema)
 
 
+def test_deep_or_endless_nesting_is_refused_not_a_recursion_error():
+    deep: dict = {"type": "string"}
+    for _ in range(150):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(InvalidSchema, match="nests deeper than"):
+        Json(deep)
+    with pytest.raises(InvalidSchema, match="not JSON"):
+        Json("[" * 100_000)
+    assert accepts({"type": "array", "items": {"type": "array", "items": {}}}, "[[1],[]]")
+
+
 def test_properties_come_in_order_required_ones_always():
     schema = {
         "type": "object",

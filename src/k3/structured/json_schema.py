@@ -51,7 +51,9 @@ SUPPORTED = frozenset(
     {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems"}
     | {"enum", "const", "anyOf", "oneOf", "allOf", "$ref", "minLength", "maxLength", "$defs", "definitions"}
 )
-MAX_SCHEMA_NESTING = 200  # schemas inside schemas: deeper is a $ref cycle that anyOf/allOf merging unrolls
+# schemas inside schemas, far more than real ones have: past it the schema is refused (compiling recurses, five
+# Python frames a level), and so is a $ref cycle that merging anyOf siblings or allOf members would unroll
+MAX_SCHEMA_NESTING = 100
 TYPES = ("null", "boolean", "object", "array", "number", "integer", "string")
 NOTHING = Choice()  # matches nothing: the `false` schema
 EMPTY = Sequence()  # matches the empty string
@@ -91,8 +93,8 @@ def _choice(*options: Grammar) -> Grammar:
 def _dumps(value: object, path: str) -> bytes:
     try:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    except (TypeError, ValueError, UnicodeEncodeError) as e:
-        raise InvalidSchema(f"{path}: {value!r} cannot be written as JSON ({e})") from e
+    except (TypeError, ValueError, UnicodeEncodeError, RecursionError) as e:
+        raise InvalidSchema(f"{path}: a {type(value).__name__} that cannot be written as JSON ({e})") from e
 
 
 def _json_type(value: object) -> str:
@@ -187,7 +189,7 @@ class _Compiler:
         _check_keywords(schema, path)
         if self.nesting > MAX_SCHEMA_NESTING:
             raise InvalidSchema(
-                f"{path}: the schema nests deeper than {MAX_SCHEMA_NESTING} (or its $refs expand forever)"
+                f"{path[:60]}…: the schema nests deeper than {MAX_SCHEMA_NESTING} (or its $refs expand forever)"
             )
         if schema is True:
             return self.any_value()
@@ -448,7 +450,7 @@ class Json(Structural):
         root_text = None if root is None else _dumps(root, "#").decode("utf-8")
         try:
             document = json.loads(text)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             raise InvalidSchema(f"the schema is not JSON: {e}") from e
         compiler = _Compiler(document if root is None else json.loads(root_text), max_whitespace)
         try:
