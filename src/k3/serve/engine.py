@@ -8,6 +8,10 @@ With a draft model (speculative decoding, k3.spec, docs/speculative.md) a decodi
 verify row: its last token and the draft's proposals, scored in the same forward as everything else;
 verification decides the tokens, the runner rolls the KDA states back to the last accepted one, the
 scheduler releases the rejected tokens' pages, and the draft proposes again from the forward's features.
+
+A request with a grammar (SamplingParams.grammar, k3.structured) gets its matcher when it is added (the
+grammar compiled against the tokenizer once, shared by the requests that use it): its row is sampled under
+the matcher's mask, and the matcher moves as its Sequence appends tokens.
 """
 
 import itertools
@@ -31,6 +35,8 @@ from k3.spec.draft import DraftModel
 from k3.spec.proposer import Proposer
 from k3.spec.stats import SpecStats
 from k3.spec.verify import verify
+from k3.structured.matcher import GrammarCompiler, GrammarMatcher
+from k3.structured.vocabulary import Vocabulary
 
 log = logging.getLogger("k3.serve")
 
@@ -103,6 +109,7 @@ class LLMEngine:
         if draft is not None:
             self.proposer = Proposer(draft.attach(model), self.max_model_len, config.num_speculative_tokens)
         self.last_plan: StepPlan | None = None  # the plan of the step running or last run; None if schedule failed
+        self.grammars: GrammarCompiler | None = None  # made with the first request that has a grammar
         log.info("k3 engine: %s", self.pool.describe())
 
     def describe(self) -> str:
@@ -141,10 +148,19 @@ class LLMEngine:
                 f"the prompt's {len(ids):,} tokens + max_tokens {params.max_tokens:,} = {total:,} exceed the "
                 f"context of {self.max_model_len:,} tokens; shorten the prompt or lower max_tokens"
             )
-        seq = Sequence(request_id, ids, params, tokenizer=self.tokenizer)
+        matcher = self._matcher(params) if params.grammar is not None else None
+        seq = Sequence(request_id, ids, params, tokenizer=self.tokenizer, matcher=matcher)
         self.scheduler.add(seq)  # may raise Overloaded or ValueError; nothing is stored then
         self.seqs[request_id] = seq
         return request_id
+
+    def _matcher(self, params: SamplingParams) -> GrammarMatcher:
+        """A matcher of params.grammar, compiled against the tokenizer (once per grammar); a grammar this
+        engine cannot follow raises a ValueError (GrammarError, UnsupportedTokenizer) from add_request."""
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(Vocabulary.of(self.tokenizer, self.model.config.vocab_size))
+        eos = [self.eos_id] if self.eos_id is not None and not params.ignore_eos else []
+        return self.grammars.matcher(params.grammar, [*eos, *params.stop_token_ids])
 
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)
@@ -207,12 +223,15 @@ class LLMEngine:
         if plain:
             at = torch.tensor([rows[i][0] for i in plain], device=logits.device)
             seqs = [pieces[i].seq for i in plain]
+            allowed = [self._allowed(s, plain[j], failed) for j, s in enumerate(seqs)]
             try:
-                tokens = sample(logits[at], [s.params for s in seqs], [s.num_output_tokens for s in seqs]).tolist()
+                positions = [s.num_output_tokens for s in seqs]
+                tokens = sample(logits[at], [s.params for s in seqs], positions, allowed).tolist()
             except Exception:  # one row's logits or params broke the batch: sample each alone to find which
-                tokens = [self._sample_one(logits[at[j : j + 1]], s, plain[j], failed) for j, s in enumerate(seqs)]
+                one = self._sample_one
+                tokens = [one(logits[at[j : j + 1]], s, allowed[j], plain[j], failed) for j, s in enumerate(seqs)]
             for i, t in zip(plain, tokens, strict=True):
-                new[i] = [] if t is None else [t]
+                new[i] = [] if t is None or i in failed else [t]
         greedy = [i for i, p in enumerate(pieces) if isinstance(p, VerifyRow) and p.seq.params.greedy]
         best = logits.argmax(-1).tolist() if greedy else None  # every greedy verify row's argmax, one device read
         for i, p in enumerate(pieces):
@@ -229,9 +248,21 @@ class LLMEngine:
         return new, rows, failed
 
     @staticmethod
-    def _sample_one(logits_1V: torch.Tensor, seq: Sequence, index: int, failed: dict) -> int | None:
+    def _allowed(seq: Sequence, index: int, failed: dict) -> torch.Tensor | None:
+        """The (V,) mask of the tokens seq's grammar allows next; None without a grammar, or when it raised
+        (the piece then fails alone)."""
         try:
-            return sample(logits_1V, [seq.params], [seq.num_output_tokens]).item()
+            return None if seq.matcher is None else seq.matcher.mask()
+        except Exception as exc:
+            failed[index] = exc
+            return None
+
+    @staticmethod
+    def _sample_one(
+        logits_1V: torch.Tensor, seq: Sequence, allowed_V: torch.Tensor | None, index: int, failed: dict
+    ) -> int | None:
+        try:
+            return sample(logits_1V, [seq.params], [seq.num_output_tokens], [allowed_V]).item()
         except Exception as exc:
             failed[index] = exc
             return None

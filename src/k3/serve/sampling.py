@@ -10,7 +10,12 @@ it is the token the big model's race gives (k3.spec.verify). Unseeded requests s
 
 Log-probabilities (SamplingParams.logprobs) are those of the raw model distribution, log_softmax of the
 logits before temperature, top-k and top-p, as vLLM's default: they say what the model thinks of each
-token whatever the request's sampling settings.
+token whatever the request's sampling settings, its grammar included (a token the grammar forced may have
+a low log-probability; the ones it refused may be among the top alternatives).
+
+A request with a grammar (SamplingParams.grammar, k3.structured) samples from its logits with every token
+the grammar refuses set to -inf first, before temperature, top-k and top-p: greedy or sampled, seeded or
+not, it draws from the model's distribution restricted to the allowed tokens.
 
 Shape suffixes: B rows in the batch, S rows that sample (temperature > 0), L rows that asked for
 log-probabilities, N alternatives, V vocabulary.
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from k3.model.sampling import filtered_probs
+from k3.structured.grammar import Grammar
 
 MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs limit, vLLM's default)
 # a temperature below this samples greedily, as vLLM's _SAMPLING_EPS: logits / 1e-40 is no distribution in fp32
@@ -46,6 +52,9 @@ class SamplingParams:
     logprobs: None (off) or N in [0, 20]: each output carries the sampled token's log-probability and
     the N most likely tokens', under the raw model distribution (log_softmax of the logits, before
     temperature, top-k and top-p).
+    grammar: None, or a k3.structured grammar (Json(schema), or combinators) the output must follow: the
+    engine compiles it against its tokenizer when the request is added, and only tokens it allows are
+    sampled; where it is complete only eos and stop_token_ids remain (docs/serving.md, "Structured outputs").
     """
 
     temperature: float = 1.0
@@ -57,6 +66,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -85,6 +95,11 @@ class SamplingParams:
         n = self.logprobs
         if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None (off) or an int in [0, {MAX_LOGPROBS}], got {n!r}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError(
+                f"grammar must be None or a k3.structured grammar (e.g. k3.structured.Json(schema)), "
+                f"got {type(self.grammar).__name__}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -125,19 +140,31 @@ def race(probs_SV: torch.Tensor, noise_SV: torch.Tensor) -> torch.Tensor:
     return (probs_SV.float() / noise_SV).argmax(dim=-1)
 
 
-def sample(logits_BV: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> torch.Tensor:
+def sample(
+    logits_BV: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    allowed: Sequence[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
     """logits (B, V), any float dtype -> token ids (B,) int64, each row with its own params.
 
     positions: the output position of the token each row draws (what a seeded row's stream is keyed by).
-    Greedy rows are argmax and use no randomness. Sampled rows: logits / temperature in fp32, top-k,
-    top-p (vectorised over rows); then a seeded row races its own noise for that position, and the rows
-    without a seed share one multinomial draw from torch's global RNG.
+    allowed: per row None, or a (V,) bool mask of the tokens its grammar allows; the others get -inf
+    before anything else. Greedy rows are argmax and use no randomness. Sampled rows: logits / temperature
+    in fp32, top-k, top-p (vectorised over rows); then a seeded row races its own noise for that position,
+    and the rows without a seed share one multinomial draw from torch's global RNG.
     """
     B = len(logits_BV)
-    if len(params) != B or len(positions) != B:
+    if len(params) != B or len(positions) != B or (allowed is not None and len(allowed) != B):
         raise ValueError(
-            f"need one SamplingParams and one position per row: B={B}, got {len(params)} and {len(positions)}"
+            f"need one SamplingParams, one position (and one mask, if any) per row: B={B}, got {len(params)}, "
+            f"{len(positions)} and {None if allowed is None else len(allowed)}"
         )
+    masked = [i for i in range(B) if allowed is not None and allowed[i] is not None]
+    if masked:
+        at = torch.tensor(masked, device=logits_BV.device)
+        allowed_MV = torch.stack([allowed[i] for i in masked]).to(logits_BV.device)
+        logits_BV = logits_BV.index_put((at,), logits_BV[at].masked_fill(~allowed_MV, -math.inf))
     tokens_B = logits_BV.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:

@@ -7,6 +7,7 @@ import torch
 
 from k3.serve.detokenizer import IncrementalDetokenizer
 from k3.serve.sampling import SamplingParams, StopChecker
+from k3.structured.matcher import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -19,7 +20,7 @@ class SequenceStatus(enum.Enum):
 class FinishReason(str, enum.Enum):
     """The OpenAI `finish_reason` values, and vLLM's two of its own."""
 
-    STOP = "stop"  # eos, a stop token or a stop string
+    STOP = "stop"  # eos, a stop token, a stop string, or the end of the request's grammar
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled by the client or the server
     ERROR = "error"  # computing this request raised (Sequence.error says what); the others in its step go on
@@ -40,7 +41,9 @@ class Sequence:
     [i·P, (i+1)·P)); state_pages holds one page per KDA layer. Who writes what: the scheduler the pages
     and num_computed_tokens (advanced only by Scheduler.complete after a forward; set by the prefix
     cache's acquire on admission, zeroed by reset_for_recompute); the engine the output, through
-    append_output, which also keeps the request's text stream (output_text).
+    append_output, which also keeps the request's text stream (output_text) and moves the request's grammar
+    matcher, if it has one, past each token: only there, so a preemption (which keeps the tokens and
+    recomputes their cache) leaves the matcher where the output is.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class Sequence:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         tokenizer=None,
+        matcher: GrammarMatcher | None = None,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt is empty")
@@ -75,6 +79,7 @@ class Sequence:
         # drawn from (K, V) for a sampled request (the counts of proposed and accepted tokens: SpecStats)
         self.draft_token_ids: list[int] = []
         self.draft_probs: torch.Tensor | None = None
+        self.matcher = matcher  # the output's position in params.grammar (k3.structured), compiled by the engine
 
     def __repr__(self) -> str:
         return (
@@ -123,14 +128,19 @@ class Sequence:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def append_token(self, token_id: int, eos_token_id: int | None = None) -> FinishReason | None:
-        """Add a sampled token; finish (and return why) on eos unless ignore_eos, on a stop token id, or
-        at max_tokens. The eos or stop token is kept in output_token_ids (usage counts it)."""
+        """Add a sampled token; finish (and return why) on eos unless ignore_eos, on a stop token id, where
+        the grammar is complete and nothing may follow, or at max_tokens. The eos or stop token is kept in
+        output_token_ids (usage counts it). A token the grammar refuses raises GrammarViolation, before
+        anything changes."""
         if self.is_finished:
             raise RuntimeError(f"request {self.request_id!r} is finished ({self.finish_reason}); cannot append")
         _check_token_ids([token_id], "token ids")
+        if self.matcher is not None:
+            self.matcher.advance(token_id)
         self.output_token_ids.append(token_id)
         p = self.params
-        if (not p.ignore_eos and token_id == eos_token_id) or token_id in p.stop_token_ids:
+        stop = (not p.ignore_eos and token_id == eos_token_id) or token_id in p.stop_token_ids
+        if stop or (self.matcher is not None and self.matcher.finished):
             self.finish(FinishReason.STOP)
         elif self.num_output_tokens >= p.max_tokens:
             self.finish(FinishReason.LENGTH)

@@ -24,7 +24,13 @@ class Proposer:
             raise ValueError(f"num_speculative_tokens must be an int >= 0, got {self.k!r}")
 
     def room(self, seq: Sequence) -> int:
-        """Proposals seq can use: k, bounded by its remaining max_tokens (minus the bonus) and the context."""
+        """Proposals seq can use: k, bounded by its remaining max_tokens (minus the bonus) and the context;
+        none for a request with a grammar. The draft proposes from its unmasked distribution, so proposals
+        would break the grammar, and the tokens verification gives after them would need the big model's
+        logits masked at every proposal, i.e. the matcher advanced over proposals that may then be rejected,
+        which it cannot take back: such requests decode one token a step."""
+        if seq.matcher is not None:
+            return 0
         return max(0, min(self.k, seq.params.max_tokens - seq.num_output_tokens - 1,
                           self.max_model_len - seq.num_tokens))  # fmt: skip
 
