@@ -3,11 +3,16 @@
 A CompiledGrammar binds a grammar to a vocabulary. Its states are interned as the nodes of a DFA that is
 built only as far as it is walked: each node memoises its transitions (symbol -> node), so feeding the same
 byte to the same state twice costs one dict lookup. The mask of a state comes from walking the vocabulary's
-trie from it (k3.structured.trie): a refused byte prunes its whole subtree, and where the state loops on
-every byte of a subtree (inside a JSON string or free text) that subtree is accepted in one range without
-being walked. Masks are memoised by state in a cache of at most mask_cache_bytes, packed: a bit per token,
-or the allowed ids when fewer (a structural state allows a handful of tokens). Requests with the same
-grammar share one CompiledGrammar (GrammarCompiler), so their states, transitions and masks are shared.
+trie from it (k3.structured.trie): a refused byte prunes its whole subtree, and a subtree that the state
+reads without telling its bytes apart is accepted in one range without being walked. That is the chain
+rule: most bytes of a state inside a string lead to one same successor (the state itself in free text or
+an unbounded string; the next count in a string with maxLength), and if every byte of a subtree h bytes
+deep is one of those for each of the h states of that chain, every node at depth d of the subtree is the
+chain's d-th state, so every token in it is allowed.
+
+Masks are memoised by state in a cache of at most mask_cache_bytes, packed: a bit per token, or the allowed
+ids when fewer (a structural state allows a handful of tokens). Requests with the same grammar share one
+CompiledGrammar (GrammarCompiler), so their states, transitions and masks are shared.
 
 Memory, at the released model's V = 163,840: a packed mask is 20 KiB, so the default 8 MiB holds 400 dense
 masks (and thousands of sparse ones); a DFA node is a few hundred bytes plus its transitions, MAX_STATES of
@@ -26,6 +31,7 @@ MASK_CACHE_BYTES = 8 << 20  # per compiled grammar
 MAX_STATES = 50_000  # DFA nodes per compiled grammar; past it the DFA is dropped and rebuilt as it is walked
 MAX_GRAMMARS = 16  # compiled grammars a GrammarCompiler keeps
 _ALL_BYTES = (1 << 256) - 1
+_CHAIN_MIN_NODES = 64  # a subtree this big is worth extending a chain for (256 transitions per chain node)
 _MISSING = object()
 _BITS = 1 << torch.arange(8, dtype=torch.uint8)
 
@@ -35,16 +41,24 @@ class GrammarViolation(ValueError):
 
 
 class _Node:
-    """One DFA state: the grammar State, its transitions as far as computed, and the bytes that lead back
-    to it (as the 256-bit complement, `not_loop`, once computed)."""
+    """One DFA state: the grammar State and its transitions as far as computed. Once computed (all 256 byte
+    transitions): `common`, the successor most bytes lead to, and `common_bytes`, those bytes (a 256-bit
+    int); `chain`: for the chain node, u(node), u(u(node)), …, the bytes common to the first d of them
+    (entry d - 1), `chain_end` the last node of it so far (None once the chain ends)."""
 
-    __slots__ = ("can_end", "closed", "next", "not_loop", "state")
+    __slots__ = ("can_end", "chain", "chain_end", "closed", "common", "common_bytes", "next", "state")
 
     def __init__(self, state: State) -> None:
         self.state = state
         self.next: dict[Symbol, _Node | None] = {}
-        self.not_loop: int | None = None
         self.can_end, self.closed = state.can_end(), state.is_closed()
+        self._forget()
+
+    def _forget(self) -> None:
+        self.common: _Node | None = None
+        self.common_bytes: int | None = None
+        self.chain: list[int] = []
+        self.chain_end: _Node | None = self
 
 
 def _pack(mask_V: torch.Tensor) -> torch.Tensor:
@@ -99,7 +113,7 @@ class CompiledGrammar:
         """Past max_states: drop the DFA (matchers keep their nodes; their transitions are recomputed)."""
         for node in self.nodes.values():
             node.next.clear()
-            node.not_loop = None
+            node._forget()
         self.nodes.clear()
         self.start = self._intern(self.start.state)
         self.resets += 1
@@ -122,13 +136,31 @@ class CompiledGrammar:
                 return None
         return node
 
-    def _not_loop(self, node: _Node) -> int:
-        loop = 0
+    def _common(self, node: _Node) -> None:
+        """node's most common successor over the 256 bytes, and the bytes that lead to it."""
+        by_successor: dict[_Node, int] = {}
         for b in range(256):
-            if self.step(node, b) is node:
-                loop |= 1 << b
-        node.not_loop = _ALL_BYTES & ~loop
-        return node.not_loop
+            nxt = self.step(node, b)
+            if nxt is not None:
+                by_successor[nxt] = by_successor.get(nxt, 0) | 1 << b
+        node.common = max(by_successor, key=lambda n: by_successor[n].bit_count(), default=None)
+        node.common_bytes = 0 if node.common is None else by_successor[node.common]
+
+    def _reads_whole(self, node: _Node, height: int, below: int) -> bool:
+        """Whether every byte of a subtree `height` deep, whose bytes are `below`, is one of the common bytes
+        of each of the first `height` nodes of node's chain (the chain rule of the module's docstring)."""
+        chain = node.chain
+        while len(chain) < height:
+            last = node.chain_end
+            if last is None or (chain and below & ~chain[-1]):
+                return False
+            if last.common_bytes is None:
+                self._common(last)
+            chain.append(last.common_bytes & (chain[-1] if chain else _ALL_BYTES))
+            if last.common is last:  # a loop: the chain stays on it, so every later entry is this one
+                chain.extend([chain[-1]] * (height - len(chain)))
+            node.chain_end = last.common
+        return not below & ~chain[height - 1]
 
     def allowed(self, node: _Node) -> torch.Tensor:
         """(V,) bool, a fresh tensor: the tokens whose symbols the grammar reads from node (stop tokens are
@@ -155,39 +187,47 @@ class CompiledGrammar:
     def _walk(self, start: _Node) -> torch.Tensor:
         """Every token from `start`, through the trie in preorder with the node reached at each depth."""
         trie = self.vocab.trie
-        byte, depth, end, first, below = trie.byte, trie.depth, trie.end, trie.first, trie.below
+        byte, depth, end, first, below, height = trie.byte, trie.depth, trie.end, trie.first, trie.below, trie.height
         los: list[int] = []
         his: list[int] = []
         at = [start] * (trie.max_depth + 1)
         step = self.step
+        if start.common_bytes is None:
+            self._common(start)  # the walk reads every first byte from start anyway
         i, n = 1, trie.num_nodes
         while i < n:
             parent = at[depth[i] - 1]
-            node = parent.next.get(byte[i], _MISSING)
-            if node is _MISSING:
-                node = step(parent, byte[i])
-            if node is None:  # refused: the whole subtree with it
-                i = end[i]
-                continue
-            if node is parent and end[i] - i > 1:
-                not_loop = parent.not_loop if parent.not_loop is not None else self._not_loop(parent)
-                if not below[i] & not_loop:  # every byte below loops back: every token below is allowed
-                    lo, hi, i = first[i], first[end[i]], end[i]
-                    if los and his[-1] == lo:
-                        his[-1] = hi
-                    else:
-                        los.append(lo)
-                        his.append(hi)
+            size = end[i] - i
+            # a subtree the parent's chain reads whole is one range; the chain's nodes get their common bytes
+            # computed only for subtrees big enough to be worth 256 transitions (they are a string's next states)
+            whole = (
+                size > 1
+                and parent.common_bytes is not None
+                and not below[i] & ~parent.common_bytes
+                and (size >= _CHAIN_MIN_NODES or len(parent.chain) >= height[i] or parent.common is parent)
+                and self._reads_whole(parent, height[i], below[i])
+            )
+            if whole:
+                lo, hi, i = first[i], first[end[i]], end[i]
+            else:
+                node = parent.next.get(byte[i], _MISSING)
+                if node is _MISSING:
+                    node = step(parent, byte[i])
+                if node is None:  # refused: the whole subtree with it
+                    i = end[i]
                     continue
-            lo, hi = first[i], first[i + 1]
+                if node is parent and parent.common_bytes is None and size > 1:
+                    self._common(parent)  # a loop: free text or a string; its subtrees may be read whole
+                    continue
+                lo, hi = first[i], first[i + 1]
+                at[depth[i]] = node
+                i += 1
             if hi > lo:
                 if los and his[-1] == lo:
                     his[-1] = hi
                 else:
                     los.append(lo)
                     his.append(hi)
-            at[depth[i]] = node
-            i += 1
         T = trie.num_tokens
         inside_T = torch.zeros(T + 1, dtype=torch.int32)
         if los:

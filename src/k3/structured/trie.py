@@ -13,10 +13,11 @@ import torch
 class TokenTrie:
     """Built from token_bytes (index = token id; None or b"" for ids that are not byte strings).
 
-    byte, depth, end, first: per node, Python lists (the walk reads them one by one, where lists are
-    fastest); first has one more entry, first[N] = T. below[i]: a 256-bit int with bit b set when byte b
-    occurs at node i or in its subtree. order: (T,) int64 token ids in preorder (tokens with the same
-    bytes next to each other).
+    byte, depth, end, first: per node, tuples of ints (the walk reads them one by one, where Python
+    sequences are fastest); first has one more entry, first[N] = T. below[i]: a 256-bit int with bit b set when byte b
+    occurs at node i or in its subtree; height[i]: how many bytes deep the subtree goes, node i's own
+    included (1 for a leaf). order: (T,) int64 token ids in preorder (tokens with the same bytes next to
+    each other).
     """
 
     def __init__(self, token_bytes: list[bytes | None]) -> None:
@@ -44,11 +45,16 @@ class TokenTrie:
         for node in path:
             end[node] = len(byte)
         first.append(len(order))
-        below = [0] * len(byte)
+        below, deepest = [0] * len(byte), depth[:]
         for i in range(len(byte) - 1, 0, -1):
             below[i] |= 1 << byte[i]
             below[parent[i]] |= below[i]
-        self.byte, self.depth, self.end, self.first, self.below = byte, depth, end, first, below
+            deepest[parent[i]] = max(deepest[parent[i]], deepest[i])
+        # tuples, not lists: a tuple of ints drops out of the garbage collector's tracking, where six lists of
+        # 600K entries (a 164K vocabulary) would be scanned by every full collection, tens of ms each time
+        self.byte, self.depth, self.end, self.first = tuple(byte), tuple(depth), tuple(end), tuple(first)
+        self.below = tuple(below)
+        self.height = tuple(d - depth[i] + 1 for i, d in enumerate(deepest))
         self.order = torch.tensor(order, dtype=torch.int64)
         self.max_depth = max(depth)
 

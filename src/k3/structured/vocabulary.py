@@ -7,6 +7,7 @@ tokens (the special ones, "<|open|>", "<|endoftext|>", …) are special symbols 
 the tokenizer never produces them from text, so no byte string can stand for them either.
 """
 
+import gc
 import json
 from collections import OrderedDict
 
@@ -57,7 +58,7 @@ class Vocabulary:
     """Token ids -> symbols for one tokenizer and a logits width `size` (a model may have more rows than
     the tokenizer has ids; those ids stand for nothing and are never allowed).
 
-    token_bytes[i]: the bytes of token i, None for special and unused ids. specials: {id: spelling} of the
+    token_bytes[i]: the bytes of token i, None for special and unused ids (a tuple). specials: {id: spelling} of the
     added tokens; special_ids: {spelling: ids}. trie: the byte strings as a TokenTrie, built on first use.
     """
 
@@ -65,7 +66,7 @@ class Vocabulary:
         if len(token_bytes) > size or any(i >= size for i in specials):
             raise UnsupportedTokenizer(f"the tokenizer has ids beyond the model's vocabulary of {size}")
         self.size = size
-        self.token_bytes = token_bytes + [None] * (size - len(token_bytes))
+        self.token_bytes = tuple(token_bytes) + (None,) * (size - len(token_bytes))
         self.specials = dict(specials)
         self.special_ids: dict[str, list[int]] = {}
         for i, spelling in sorted(specials.items()):
@@ -117,6 +118,9 @@ class Vocabulary:
     def trie(self) -> TokenTrie:
         if self._trie is None:
             self._trie = TokenTrie(self.token_bytes)
+            # its million objects are young: collected now, the garbage collector's one long pass over them
+            # (70 ms at 164K tokens, untracking the tuples of ints) falls here, not inside a later engine step
+            gc.collect()
         return self._trie
 
     def symbols(self, token_id: int) -> tuple[Symbol, ...]:
