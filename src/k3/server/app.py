@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from k3.chat import ChatEncoder, ChatFormatError, resolve_thinking
+from k3.chat.constraints import reply_grammar
 from k3.demo.server import routing_app
 from k3.server.chat_stream import ChatChoice
 from k3.server.errors import APIError, Shield, error_body, install_error_handlers
@@ -251,6 +252,16 @@ def _routes(app: FastAPI, srv: Server) -> None:
                 tool_choice=body.tool_choice,
                 response_format=body.response_format,
             )
+            declared = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+            declared += [t for m in messages if m.get("role") in ("system", "developer") for t in m.get("tools", ())]
+            grammar = reply_grammar(
+                thinking=thinking,
+                tools=declared,
+                tool_names=rendered.tool_names,
+                tool_choice=body.tool_choice,
+                response_format=body.response_format,
+                parallel_tool_calls=body.parallel_tool_calls,
+            )
         except ChatFormatError as e:
             raise APIError(400, str(e), param=_chat_param(str(e))) from None
         ids = rendered.ids
@@ -264,8 +275,10 @@ def _routes(app: FastAPI, srv: Server) -> None:
         want_logprobs = chat_logprobs(body)
         end = (srv.chat.token_ids.end_of_msg,)
         # stop strings apply to the parsed content, not to the raw token stream (which carries the structure)
-        subs = [Submission(j, 0, ids, sampling_params(body, max_tokens, j, (), end, want_logprobs))
-                for j in range(body.n)]  # fmt: skip
+        subs = [
+            Submission(j, 0, ids, sampling_params(body, max_tokens, j, (), end, want_logprobs, grammar))
+            for j in range(body.n)
+        ]
         check_admittable(subs, srv.capacity, "n")
         run = srv.run("chatcmpl")
         await run.submit(subs)

@@ -120,11 +120,18 @@ def check_admittable(subs: list["Submission"], capacity: Capacity | None, param:
         )
 
 
-def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int, choice: int,
-                    stop: tuple[str, ...], stop_token_ids: tuple[int, ...] = (),
-                    logprobs: int | None = None) -> SamplingParams:  # fmt: skip
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    choice: int,
+    stop: tuple[str, ...],
+    stop_token_ids: tuple[int, ...] = (),
+    logprobs: int | None = None,
+    grammar=None,
+) -> SamplingParams:
     """Choice j of a seeded request samples with seed + j: the choices differ, and the request repeats.
-    logprobs: the engine's (None: off, else the number of alternatives per token)."""
+    logprobs: the engine's (None: off, else the number of alternatives per token); grammar: what the output
+    must follow (k3.chat.constraints), or None."""
     seed = None if body.seed is None else (body.seed + choice) % (1 << 63)
     try:
         return SamplingParams(
@@ -137,6 +144,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             ignore_eos=body.ignore_eos,
             seed=seed,
             logprobs=logprobs,
+            grammar=grammar,
         )
     except ValueError as e:  # the protocol's ranges match SamplingParams'; this is the backstop
         raise APIError(400, str(e)) from None
