@@ -95,9 +95,10 @@ def test_recursive_rules_and_trim():
     parens = Rule("parens")
     parens.define(Repeat(Sequence(Literal("("), parens, Literal(")"))))
     assert accepts(parens, b"(()(()))") and not accepts(parens, b"(()") and not alive(parens, b"())")
-    dead_end = Choice(Literal("a"), Sequence(Literal("b"), Choice()))
-    assert alive(dead_end, b"b")  # untrimmed: "b" is read, and then nothing can complete it
+    dead_end = Choice(Literal("a"), Sequence(Literal("b"), Literal("c"), Choice()))
+    assert alive(dead_end, b"b") and not alive(dead_end, b"bc")  # untrimmed: "b" is read, then nothing completes it
     assert not alive(trim(dead_end), b"b") and accepts(trim(dead_end), b"a")
+    assert not alive(Sequence(Literal("b"), Choice()), b"b")  # a symbol after which nothing can come is refused
     forever = Rule("forever")
     forever.define(Sequence(Literal("("), forever, Literal(")")))
     with pytest.raises(GrammarError, match="matches no finite input"):

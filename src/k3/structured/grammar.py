@@ -369,7 +369,7 @@ class State:
         return State(frozenset(out))
 
     def feed(self, symbol: Symbol) -> "State | None":
-        """The state after `symbol`, or None if no way of going on reads it."""
+        """The state after `symbol`, or None if no way of going on reads it (nor ends after it)."""
         moved = []
         for stack in self.stacks:
             if not stack:
@@ -379,7 +379,8 @@ class State:
             if after is None:
                 continue
             moved.append(stack[:-1] if after is DONE else (*stack[:-1], (node, after)))
-        return State.settle(moved) if moved else None
+        state = State.settle(moved) if moved else None
+        return state if state is not None and state.stacks else None
 
     def feed_all(self, symbols: Iterable[Symbol]) -> "State | None":
         state = self

@@ -15,8 +15,9 @@ ids when fewer (a structural state allows a handful of tokens). Requests with th
 CompiledGrammar (GrammarCompiler), so their states, transitions and masks are shared.
 
 Memory, at the released model's V = 163,840: a packed mask is 20 KiB, so the default 8 MiB holds 400 dense
-masks (and thousands of sparse ones); a DFA node is a few hundred bytes plus its transitions, MAX_STATES of
-them per grammar; GrammarCompiler keeps MAX_GRAMMARS grammars, so at most 16 × 8 MiB of masks in all.
+masks (and thousands of sparse ones), and the UNPACKED_MASKS most recent are also kept as (V,) bool (2.5
+MiB); a DFA node is a few hundred bytes plus its transitions, MAX_STATES of them per grammar;
+GrammarCompiler keeps MAX_GRAMMARS grammars, so at most 16 × 10.5 MiB of masks in all.
 """
 
 from collections import OrderedDict
@@ -30,6 +31,7 @@ from k3.structured.vocabulary import Vocabulary
 MASK_CACHE_BYTES = 8 << 20  # per compiled grammar
 MAX_STATES = 50_000  # DFA nodes per compiled grammar; past it the DFA is dropped and rebuilt as it is walked
 MAX_GRAMMARS = 16  # compiled grammars a GrammarCompiler keeps
+UNPACKED_MASKS = 16  # masks per compiled grammar also kept as (V,) bool: 2.5 MiB at V = 163,840
 _ALL_BYTES = (1 << 256) - 1
 _CHAIN_MIN_NODES = 64  # a subtree this big is worth extending a chain for (256 transitions per chain node)
 _MISSING = object()
@@ -100,6 +102,7 @@ class CompiledGrammar:
         self.nodes: dict[State, _Node] = {}
         self.masks: OrderedDict[State, torch.Tensor] = OrderedDict()
         self.cached_bytes = 0
+        self.unpacked: OrderedDict[State, torch.Tensor] = OrderedDict()
         self.hits = self.misses = self.resets = 0
         self.start = self._intern(self.grammar.start())
 
@@ -164,12 +167,27 @@ class CompiledGrammar:
 
     def allowed(self, node: _Node) -> torch.Tensor:
         """(V,) bool, a fresh tensor: the tokens whose symbols the grammar reads from node (stop tokens are
-        the matcher's business)."""
-        packed = self.masks.get(node.state)
+        the matcher's business). The last UNPACKED_MASKS masks are also kept unpacked: a batch of requests
+        in the same few states (one schema's structure) then costs a copy each, not an unpack."""
+        state = node.state
+        mask_V = self.unpacked.get(state)
+        if mask_V is not None:
+            self.hits += 1
+            self.unpacked.move_to_end(state)
+            return mask_V.clone()
+        packed = self.masks.get(state)
         if packed is not None:
             self.hits += 1
-            self.masks.move_to_end(node.state)
-            return _unpack(packed, self.vocab.size)
+            self.masks.move_to_end(state)
+            mask_V = _unpack(packed, self.vocab.size)
+        else:
+            mask_V = self._miss(node)
+        self.unpacked[state] = mask_V
+        if len(self.unpacked) > UNPACKED_MASKS:
+            self.unpacked.popitem(last=False)
+        return mask_V.clone()
+
+    def _miss(self, node: _Node) -> torch.Tensor:
         self.misses += 1
         if len(self.nodes) > self.max_states:
             self._forget_states()
