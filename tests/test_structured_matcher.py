@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from k3.formats.tokenizer import train_tokenizer
 from k3.structured import (
     Choice,
     CompiledGrammar,
@@ -23,7 +24,6 @@ from k3.structured import (
     Vocabulary,
 )
 from k3.structured.matcher import _pack, _unpack
-from k3.train.tokenizer import train_tokenizer
 
 TEXTS = [
     json.dumps({"city": f"Oslo {i}", "days": i, "unit": ["celsius", "fahrenheit"][i % 2], "note": "é🙂" * (i % 3)})
@@ -162,6 +162,9 @@ def test_compile_errors():
     compiler.compile(Literal("x"))
     compiler.compile(Literal("y"))
     assert len(compiler.compiled) == 2 and compiler.compile(Json({"type": "object"})) is not a
+    assert compiler.matcher(Sequence(), [EOS]).mask().nonzero().squeeze(1).tolist() == [EOS]
+    with pytest.raises(GrammarError, match="only an empty output"):
+        compiler.matcher(Sequence(), [])
 
 
 def test_the_mask_cache_stays_within_its_bytes():

@@ -333,4 +333,9 @@ class GrammarCompiler:
         return compiled
 
     def matcher(self, grammar: Grammar, end_token_ids: Iterable[int] = ()) -> GrammarMatcher:
-        return self.compile(grammar).matcher(end_token_ids)
+        """A matcher at the start of grammar (compiled once); GrammarError for a grammar that only matches the
+        empty output of a request with no end token, which could sample nothing."""
+        matcher = self.compile(grammar).matcher(end_token_ids)
+        if matcher.finished:
+            raise GrammarError("the grammar matches only an empty output, and the request has no stop token to end it")
+        return matcher
