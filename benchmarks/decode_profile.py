@@ -21,11 +21,11 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3 import K3Config, K3Model
+from k3.formats.tokenizer import byte_tokenizer
 from k3.model.params import param_report
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
-from k3.train.tokenizer import byte_tokenizer
 
 # ops that only move data: their bytes are "bytes moved" (gathers, scatters, copies, concatenations)
 MOVES = {

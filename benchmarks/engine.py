@@ -39,12 +39,12 @@ import transformers
 from transformers import DynamicCache, LlamaForCausalLM
 
 from k3 import K3Config, K3Model, generate
+from k3.formats.tokenizer import byte_tokenizer
 from k3.model.params import param_report
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.layout import PageLayout
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
-from k3.train.tokenizer import byte_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_step import llama_like  # the peer of the training benchmark, unchanged

@@ -167,9 +167,9 @@ def check_model(device, backends) -> None:
 
 
 def check_engine(device) -> None:
+    from k3.formats.tokenizer import byte_tokenizer
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.sampling import SamplingParams
-    from k3.train.tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()
     model = tiny_model(tok.vocab_size).float().eval()

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
+from k3.formats.tokenizer import K3Tokenizer
 from k3.hub import export_model, load_pretrained
 from k3.quant import routed_expert_bytes
 from k3.quant.qat import set_expert_quantization
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
-from k3.train.tokenizer import K3Tokenizer
 from k3.train.trainer import TrainArgs, Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -26,11 +26,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from k3 import K3Config, K3Model
+from k3.formats.tokenizer import SPECIAL_TOKENS, K3Tokenizer, train_tokenizer
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.structured import CompiledGrammar, GrammarMatcher, Json, Vocabulary
 from k3.train.corpus import load_corpus
-from k3.train.tokenizer import SPECIAL_TOKENS, K3Tokenizer, train_tokenizer
 
 TOOL = {
     "type": "object",

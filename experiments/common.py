@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from k3.train.files import atomic_write
+from k3.formats.files import atomic_write
 
 
 def parser(name: str, doc: str) -> argparse.ArgumentParser:
@@ -108,7 +108,7 @@ def same_data(base: Path) -> list[str]:
 
 
 def vocab_size(base: Path) -> int:
-    from k3.train.tokenizer import K3Tokenizer
+    from k3.formats.tokenizer import K3Tokenizer
 
     return K3Tokenizer.load(base / "tokenizer.json").vocab_size
 
@@ -118,8 +118,8 @@ def init_checkpoint(out: Path, config, base: Path, seed: int = 0) -> Path:
     `k3 train --init-from` starts a model variant from (the presets have no flag for K3Config's switches)."""
     import torch
 
+    from k3.formats.checkpoint import save_checkpoint, step_dirs
     from k3.model import K3Model
-    from k3.train.checkpoint import save_checkpoint, step_dirs
     from k3.train.optim import build_optimizer
 
     if not step_dirs(out):
@@ -136,8 +136,8 @@ def train(out: Path, flags: list[str], base: Path, init: Path | None = None) -> 
     """`k3 train --out out *flags` on base's tokenizer and tokens (from the weights of `init` when given),
     resumed if it was interrupted; returns its metrics.jsonl records (a finished run trains nothing again)."""
     from k3.cli import main
-    from k3.train.checkpoint import step_dirs
-    from k3.train.files import latest_timeline, read_jsonl
+    from k3.formats.checkpoint import step_dirs
+    from k3.formats.files import latest_timeline, read_jsonl
 
     if not (out / "tokenizer.json").exists():
         out.mkdir(parents=True, exist_ok=True)

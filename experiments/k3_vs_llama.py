@@ -23,11 +23,11 @@ import torch
 from common import Store, base_run, out_dir, parser, save_figure, write_tables
 
 from k3 import K3Config, K3Model
+from k3.formats.tokenizer import K3Tokenizer
 from k3.model.params import param_report
 from k3.train.balance import QuantileBalancer
 from k3.train.data import PackedSequences
 from k3.train.optim import build_optimizer, set_lr_factor
-from k3.train.tokenizer import K3Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from train_step import llama_like

@@ -5,8 +5,8 @@ call, the reasoning under both field names, and streamed deltas adding up to the
 import pytest
 
 from k3.chat import CHAT_SPECIAL_TOKENS, ChatEncoder, with_chat_tokens
+from k3.formats.tokenizer import byte_tokenizer
 from k3.server.chat_stream import ChatChoice
-from k3.train.tokenizer import byte_tokenizer
 
 O, C, S, E = CHAT_SPECIAL_TOKENS
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]

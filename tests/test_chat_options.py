@@ -9,7 +9,7 @@ import pytest
 
 from k3 import chat
 from k3.chat import CHAT_SPECIAL_TOKENS, ChatEncoder, ChatFormatError, render_text, with_chat_tokens
-from k3.train.tokenizer import byte_tokenizer
+from k3.formats.tokenizer import byte_tokenizer
 
 O, C, S, E = CHAT_SPECIAL_TOKENS
 USER = [{"role": "user", "content": "q"}]

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3.chat import CHAT_SPECIAL_TOKENS, ChatEncoder, merge_deltas, parse_text, text_stream_parser, with_chat_tokens
-from k3.train.tokenizer import byte_tokenizer
+from k3.formats.tokenizer import byte_tokenizer
 
 O, C, S, E = CHAT_SPECIAL_TOKENS
 

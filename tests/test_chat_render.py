@@ -18,7 +18,7 @@ from k3.chat import (
     render_text,
     with_chat_tokens,
 )
-from k3.train.tokenizer import BASE_SPECIAL_TOKENS, K3Tokenizer, _empty_bpe, byte_tokenizer
+from k3.formats.tokenizer import BASE_SPECIAL_TOKENS, K3Tokenizer, _empty_bpe, byte_tokenizer
 
 O, C, S, E = CHAT_SPECIAL_TOKENS[0], CHAT_SPECIAL_TOKENS[1], CHAT_SPECIAL_TOKENS[2], CHAT_SPECIAL_TOKENS[3]
 WEATHER = {

@@ -10,8 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3 import K3Config, K3Model
-from k3.model.names import is_legacy_key, legacy_key
-from k3.train.checkpoint import (
+from k3.formats.checkpoint import (
     CheckpointError,
     CheckpointWarning,
     load_checkpoint,
@@ -19,6 +18,7 @@ from k3.train.checkpoint import (
     step_dirs,
     write_meta,
 )
+from k3.model.names import is_legacy_key, legacy_key
 from k3.train.optim import build_optimizer
 
 CONFIG = K3Config.from_preset("tiny")

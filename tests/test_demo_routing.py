@@ -194,9 +194,9 @@ def test_k3_serve_mounts_the_demo_at_demo_routing():
     pytest.importorskip("fastapi", reason="k3 serve needs fastapi (pip install 'k3[serve]')")
     from starlette.testclient import TestClient
 
+    from k3.formats.tokenizer import byte_tokenizer
     from k3.server.app import create_app
     from k3.server.limits import ServerLimits
-    from k3.train.tokenizer import byte_tokenizer
     from server_helpers import ScriptedEngine
 
     tokenizer = byte_tokenizer()

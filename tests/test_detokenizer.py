@@ -3,8 +3,8 @@ never sent as U+FFFD, and each step decodes a window of a few tokens, not the wh
 
 import random
 
+from k3.formats.tokenizer import byte_tokenizer, train_tokenizer
 from k3.serve.detokenizer import IncrementalDetokenizer
-from k3.train.tokenizer import byte_tokenizer, train_tokenizer
 
 TEXT = "naïve café — 世界, déjà vu 🙂 and plain ascii\n" * 3
 

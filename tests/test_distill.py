@@ -13,9 +13,9 @@ from k3.distill.distiller import DistillArgs, Distiller
 from k3.distill.loss import reverse_kl
 from k3.distill.sampler import OnPolicySampler
 from k3.distill.teachers import TeacherError, TeacherSpec, route
+from k3.formats.checkpoint import load_checkpoint, save_checkpoint
+from k3.formats.tokenizer import K3Tokenizer
 from k3.hub import load_pretrained
-from k3.train.checkpoint import load_checkpoint, save_checkpoint
-from k3.train.tokenizer import K3Tokenizer
 
 
 def test_reverse_kl_two_tokens_by_hand():
@@ -232,7 +232,7 @@ def test_sigkill_mid_run_resumes_to_the_same_losses(ckpts, tmp_path):
                 "--no-progress", "--out", str(out)]  # fmt: skip
 
     def losses(out):
-        from k3.train.files import latest_timeline, read_jsonl
+        from k3.formats.files import latest_timeline, read_jsonl
 
         return [(r["step"], r["loss"]) for r in latest_timeline(read_jsonl(out / "metrics.jsonl"))]
 

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from k3.train.checkpoint import load_checkpoint, step_dirs
-from k3.train.files import latest_timeline, read_jsonl
+from k3.formats.checkpoint import load_checkpoint, step_dirs
+from k3.formats.files import latest_timeline, read_jsonl
 from tiny_runs import tiny_train_args
 
 STEPS = ["--steps", "6", "--warmup", "2", "--eval-every", "6", "--keep-last", "0"]

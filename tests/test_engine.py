@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from k3 import K3Model, generate
+from k3.formats.tokenizer import byte_tokenizer
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import Overloaded, SchedulerConfig
-from k3.train.tokenizer import byte_tokenizer
 from tiny_models import tiny_model
 
 TOK = byte_tokenizer()

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import k3.serve.engine as engine_module
+from k3.formats.tokenizer import byte_tokenizer
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
 from k3.spec.draft import DraftModel
-from k3.train.tokenizer import byte_tokenizer
 from tiny_models import tiny_model
 
 TOK = byte_tokenizer()

@@ -12,8 +12,8 @@ from k3.cli import main
 from k3.data.synthetic import eval_set
 from k3.eval import score_tokens
 from k3.eval_lengths import chunked_logits, lm_loss, parse_lengths, task_accuracy
+from k3.formats.tokenizer import byte_tokenizer
 from k3.model.model import K3Output
-from k3.train.tokenizer import byte_tokenizer
 from tiny_models import tiny_model
 
 

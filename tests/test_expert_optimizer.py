@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from k3 import K3Config, K3Model
+from k3.formats.run_record import RunMismatchError
 from k3.model.moe import LatentMoE
 from k3.train.muon import MuonAdamW, muon_update
 from k3.train.optim import build_optimizer, routed_expert_weights
-from k3.train.runinfo import RunMismatchError
 
 LR, WD, MU = 0.1, 0.5, 0.95
 

@@ -156,7 +156,7 @@ def test_suggested_command_passes_a_real_newline(tmp_path):
 def test_a_fallback_to_an_older_step_is_reported_once(ckpt, tmp_path, capsys):
     import warnings
 
-    from k3.train.checkpoint import CheckpointWarning
+    from k3.formats.checkpoint import CheckpointWarning
 
     run = tmp_path / "run"
     shutil.copytree(ckpt, run)

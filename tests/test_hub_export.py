@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 
 from k3.cli import main
+from k3.formats.tokenizer import SPECIAL_TOKENS
 from k3.hub import ModelFolderError, export_model, load_pretrained, parse_size, read_header
 from k3.quant.mx import pack_mxfp4, unpack_mxfp4
-from k3.train.tokenizer import SPECIAL_TOKENS
 
 IDS = torch.tensor([[3, 70, 101, 9, 250, 44, 12, 0, 200, 17, 5, 66, 31]])
 
@@ -26,7 +26,7 @@ def run(tmp_path_factory) -> Path:
     step = path / "step_00000000"
     from safetensors.torch import load_file, save_file
 
-    from k3.train.checkpoint import _sha256, write_meta
+    from k3.formats.checkpoint import _sha256, write_meta
 
     tensors = load_file(step / "model.safetensors")
     g = torch.Generator().manual_seed(0)

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from k3 import LLM, K3Config, K3Model, SamplingParams
+from k3.formats.tokenizer import SPECIAL_TOKENS, byte_tokenizer
 from k3.hub import ModelFolderError, ReadStats, load_model_folder, read_header
-from k3.train.tokenizer import SPECIAL_TOKENS, byte_tokenizer
 
 # A tiny K3 in the official config.json nesting; layers 1-3 KDA, 4-5 MLA, layer 1 dense.
 TEXT = {

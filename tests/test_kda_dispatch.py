@@ -12,12 +12,12 @@ import torch
 import fla_standin
 from k3 import K3Config, K3Model
 from k3.cli import main
+from k3.formats.tokenizer import byte_tokenizer
 from k3.ops.kda import backend as kda_backend
 from k3.ops.kda import chunk_kda, fused_recurrent_kda
 from k3.ops.kda.backend import KernelContractError, fla_version_tested, resolve, use_kernels
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
-from k3.train.tokenizer import byte_tokenizer
 from kda_inputs import grads_of, make_inputs, random_state, rel_rms
 from tiny_runs import logged_losses, tiny_train_args
 

@@ -151,9 +151,9 @@ def test_cuda_several_tokens_per_sequence_into_pool_rows(backend):
 def test_cuda_model_and_engine_match_the_cpu(dtype):
     """The tiny model's logits on CUDA (whatever backend 'auto' picks there) against the fp64 CPU model,
     and the engine's greedy tokens on CUDA against the CPU engine's."""
+    from k3.formats.tokenizer import byte_tokenizer
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.sampling import SamplingParams
-    from k3.train.tokenizer import byte_tokenizer
     from tiny_models import tiny_model
 
     tok = byte_tokenizer()

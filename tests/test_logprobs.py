@@ -10,6 +10,7 @@ import torch
 
 from k3.chat import ChatEncoder
 from k3.cli import main
+from k3.formats.tokenizer import byte_tokenizer
 from k3.serve.async_engine import AsyncEngine
 from k3.serve.detokenizer import IncrementalDetokenizer
 from k3.serve.engine import EngineConfig, LLMEngine
@@ -19,7 +20,6 @@ from k3.serve.scheduler import SchedulerConfig
 from k3.server import ServerLimits
 from k3.server.app import create_app
 from k3.server.logprobs import TokenText
-from k3.train.tokenizer import byte_tokenizer
 from server_helpers import ServerThread
 from tiny_models import tiny_model
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from k3 import K3Config
+from k3.formats.tokenizer import byte_tokenizer
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.layout import PageLayout
 from k3.serve.model_runner import ModelRunner
@@ -16,7 +17,6 @@ from k3.serve.prefix_cache import PrefixCache
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import Scheduler, SchedulerConfig
 from k3.serve.sequence import Sequence
-from k3.train.tokenizer import byte_tokenizer
 from tiny_models import tiny_model
 
 LAYOUT = PageLayout.from_config(K3Config.from_preset("tiny", qk_rope_head_dim=9))  # 16 tokens a page

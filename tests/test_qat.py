@@ -13,6 +13,7 @@ import torch
 
 from k3 import K3Config, K3Model
 from k3.cli import main
+from k3.formats.tokenizer import byte_tokenizer
 from k3.model import moe as moe_module
 from k3.model.moe import LatentMoE
 from k3.model.situ import glu
@@ -21,7 +22,6 @@ from k3.quant.qat import fake_quantize, set_expert_quantization
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
-from k3.train.tokenizer import byte_tokenizer
 from tiny_runs import tiny_train_args
 
 FORMATS = [FP4_E2M1, FP8_E4M3, FP8_E5M2]

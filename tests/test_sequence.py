@@ -100,7 +100,7 @@ def test_append_validates_token():
 def test_append_output_streams_text_and_stops_at_a_stop_string():
     """The request's own text stream: detokenised per token, a possible start of a stop string held back,
     the stop string cut and the request finished when it completes."""
-    from k3.train.tokenizer import byte_tokenizer
+    from k3.formats.tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()
     seq = Sequence("r", [1], SamplingParams(max_tokens=20, stop=["\n\n"]), tokenizer=tok)

@@ -9,10 +9,10 @@ import openai
 import pytest
 
 from k3.chat import ChatEncoder
+from k3.formats.tokenizer import byte_tokenizer
 from k3.server import ServerLimits
 from k3.server.app import create_app
 from k3.server.guard import ServerState
-from k3.train.tokenizer import byte_tokenizer
 from server_helpers import ScriptedEngine, ServerThread
 
 MODEL = "tiny-k3"

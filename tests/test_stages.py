@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from k3.cli import main
+from k3.formats.tokenizer import byte_tokenizer
 from k3.train.data import PackedSequences
 from k3.train.distributed import Parallel
 from k3.train.stages import Stage, TrainBatches, parse_stages, stage_at, stage_rows
-from k3.train.tokenizer import byte_tokenizer
 from k3.train.trainer import TrainArgs, Trainer
 from tiny_runs import tiny_train_args
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import k3.serve.engine as engine_module
+from k3.formats.tokenizer import train_tokenizer
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams, sample
 from k3.serve.scheduler import SchedulerConfig
 from k3.spec.draft import DraftModel
 from k3.structured import GrammarError, Json, Literal, Sequence, Special, Vocabulary
-from k3.train.tokenizer import train_tokenizer
 from test_structured_matcher import TEXTS
 from tiny_models import tiny_model
 

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from k3.formats.tokenizer import SPECIAL_TOKENS, byte_tokenizer, train_tokenizer
 from k3.structured import UnsupportedTokenizer, Vocabulary
 from k3.structured.vocabulary import byte_level_alphabet
-from k3.train.tokenizer import SPECIAL_TOKENS, byte_tokenizer, train_tokenizer
 
 TEXTS = [
     json.dumps({"name": f"item {i}", "price": i * 1.5, "tags": ["a", "é", "🙂"][: i % 4], "ok": i % 2 == 0})

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3.data.synthetic import TASKS, SyntheticError, SyntheticMix, eval_set, make_example
-from k3.train.tokenizer import byte_tokenizer
+from k3.formats.tokenizer import byte_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from k3.cli import main
-from k3.train.checkpoint import CheckpointError
-from k3.train.runinfo import RunMismatchError
+from k3.formats.checkpoint import CheckpointError
+from k3.formats.run_record import RunMismatchError
 
 TRAIN = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "400", "--eval-every", "4",
          "--eval-batches", "2", "--warmup", "2", "--no-progress"]  # fmt: skip
@@ -82,7 +82,7 @@ def test_resume_keeps_the_config_its_run_recorded_when_k3s_defaults_changed(tmp_
     import shutil
 
     from k3.config import PRESETS
-    from k3.train.tokenizer import SPECIAL_TOKENS, byte_tokenizer
+    from k3.formats.tokenizer import SPECIAL_TOKENS, byte_tokenizer
     from k3.train.trainer import TrainArgs, Trainer
 
     def args(out: Path, **kw) -> TrainArgs:
@@ -253,7 +253,7 @@ def test_a_killed_runs_leftovers_are_cleaned_and_a_torn_metrics_line_is_dropped(
 
 
 def test_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path):
-    from k3.train.files import atomic_write
+    from k3.formats.files import atomic_write
 
     target = tmp_path / "tokenizer.json"
     atomic_write(target, "old")

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from k3.formats.tokenizer import EOS, SPECIAL_TOKENS, K3Tokenizer, byte_tokenizer, train_tokenizer
 from k3.train.corpus import CorpusError, Document, load_corpus
 from k3.train.data import PackedSequences, cached_pack, pack
-from k3.train.tokenizer import EOS, SPECIAL_TOKENS, K3Tokenizer, byte_tokenizer, train_tokenizer
 
 BYTES = byte_tokenizer()
 

@@ -7,9 +7,9 @@ import torch
 from k3 import generate
 from k3.config import VisionConfig
 from k3.data.media import MEDIA_TOKENS, media_token_ids
+from k3.formats.tokenizer import K3Tokenizer, byte_tokenizer
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
-from k3.train.tokenizer import K3Tokenizer, byte_tokenizer
 from tiny_models import tiny_model
 
 

@@ -12,11 +12,11 @@ from PIL import Image
 from k3.config import VisionConfig
 from k3.data.images import example
 from k3.data.media import MEDIA_TOKENS, media_token_ids
+from k3.formats.tokenizer import byte_tokenizer
 from k3.serve.async_engine import AsyncEngine
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.server import ServerLimits
 from k3.server.app import create_app
-from k3.train.tokenizer import byte_tokenizer
 from server_helpers import ServerThread
 from tiny_models import tiny_model
 

@@ -22,7 +22,7 @@ from k3.chat.render import Segment, render_chat
 from k3.chat.tokens import _raw, chat_token_ids
 
 if TYPE_CHECKING:
-    from k3.train.tokenizer import K3Tokenizer
+    from k3.formats.tokenizer import K3Tokenizer
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

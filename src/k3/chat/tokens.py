@@ -5,20 +5,11 @@ header, `<|sep|>` ends it, `<|end_of_msg|>` ends a message and is the released m
 Everything else in a rendered conversation (tag names, attributes, text) is ordinary text."""
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
 from k3.chat.errors import ChatFormatError
-
-if TYPE_CHECKING:
-    from k3.train.tokenizer import K3Tokenizer
-
-OPEN = "<|open|>"
-CLOSE = "<|close|>"
-SEP = "<|sep|>"
-END_OF_MSG = "<|end_of_msg|>"
-CHAT_SPECIAL_TOKENS = [OPEN, CLOSE, SEP, END_OF_MSG]
+from k3.formats.tokenizer import CHAT_SPECIAL_TOKENS, CLOSE, END_OF_MSG, OPEN, SEP, K3Tokenizer
 
 
 @dataclass(frozen=True)

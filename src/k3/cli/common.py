@@ -38,7 +38,7 @@ def _interrupted(command: str, run, rerun) -> int:
     """Ctrl-C in a training-like command (train, quickstart, distill): where the run stood and the command that
     continues it; exit status 130 as a shell reports. run: the Trainer or Distiller (`step`, `saved_step`, the
     run folder `run`), None before it existed; rerun(resume) -> the command line to suggest."""
-    from k3.train.checkpoint import step_dirs
+    from k3.formats.checkpoint import step_dirs
 
     step = 0 if run is None else run.step
     saved = None if run is None else run.saved_step

@@ -90,8 +90,8 @@ def _read_prompt(arg: str) -> str:
 
 def _peek(path: str) -> tuple[K3Config, Path | None]:
     """A model's config and its tokenizer.json (None if absent), without reading any weights."""
+    from k3.formats.checkpoint import load_checkpoint
     from k3.hub import folder_kind
-    from k3.train.checkpoint import load_checkpoint
 
     if folder_kind(path) == "model folder":
         config, tokenizer = K3Config.from_hf(path), Path(path) / "tokenizer.json"
@@ -105,7 +105,7 @@ def _peek(path: str) -> tuple[K3Config, Path | None]:
 def _check_context(path: str, prompt: str, max_tokens: int, max_model_len: int | None) -> None:
     """Refuse a prompt whose tokens plus max_tokens exceed the model's context (max_position_embeddings, or
     the smaller --max-model-len) before the weights are read."""
-    from k3.train.tokenizer import K3Tokenizer
+    from k3.formats.tokenizer import K3Tokenizer
 
     config, tokenizer = _peek(path)
     limit, source = config.max_position_embeddings, "the model's max_position_embeddings"

@@ -75,7 +75,7 @@ def cmd_params(args: argparse.Namespace) -> int:
 def _config_of(path: Path) -> K3Config:
     """The config of a config.json, a model folder, or a run or step folder (its meta.json; the tensors are
     not read)."""
-    from k3.train.checkpoint import load_checkpoint
+    from k3.formats.checkpoint import load_checkpoint
 
     if path.is_dir() and not (path / "config.json").exists():
         if (path / "meta.json").exists() or any(path.glob("step_*/meta.json")):

@@ -182,10 +182,10 @@ def _print_next(args: argparse.Namespace, summary) -> None:
 
 def cmd_init(args: argparse.Namespace) -> int:
     """A randomly initialised checkpoint with a byte-level tokenizer: for tests and servers that need no training."""
+    from k3.formats.checkpoint import save_checkpoint, step_dirs
+    from k3.formats.tokenizer import byte_tokenizer
     from k3.model import K3Model
-    from k3.train.checkpoint import save_checkpoint, step_dirs
     from k3.train.optim import build_optimizer
-    from k3.train.tokenizer import byte_tokenizer
 
     out = Path(args.out)
     try:
@@ -210,8 +210,8 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_quickstart(args: argparse.Namespace) -> int:
     """Train the small preset on the standard library's source, then sample from it and serve a batch
     of requests through the engine, and plot the run."""
+    from k3.formats.checkpoint import step_dirs
     from k3.serve.llm import LLM
-    from k3.train.checkpoint import step_dirs
     from k3.train.plot import plot_run
     from k3.train.trainer import Trainer
 

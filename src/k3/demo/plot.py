@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
 from k3.demo.routing import RoutingParams, RoutingResult, route_batches
-from k3.train.files import atomic_write
+from k3.formats.files import atomic_write
 
 RULES_SHOWN = [  # (rule, cutoff, label); the fixed step keeps SPEC §2.6's u = 1e-3
     ("topk", "kplus1", "plain top-k"),

@@ -33,13 +33,13 @@ from k3.distill.loss import reverse_kl
 from k3.distill.prompts import DomainPrompts, Prompt
 from k3.distill.sampler import OnPolicySampler
 from k3.distill.teachers import TeacherError, TeacherSpec, load_teacher, route
+from k3.formats.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, step_dirs
+from k3.formats.files import append_line, atomic_write, clean_stale_temp, latest_timeline, read_jsonl, repair_torn_tail
+from k3.formats.tokenizer import K3Tokenizer
 from k3.model import K3Model
 from k3.train.balance import QuantileBalancer
-from k3.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, step_dirs
 from k3.train.corpus import load_corpus
-from k3.train.files import append_line, atomic_write, clean_stale_temp, latest_timeline, read_jsonl, repair_torn_tail
 from k3.train.optim import build_optimizer, lr_at, set_lr_factor
-from k3.train.tokenizer import K3Tokenizer
 from k3.train.trainer import (
     _arg,  # a flag field: its help is the CLI's
     device,

@@ -36,8 +36,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from k3.config import K3Config
+from k3.formats.files import fsync_path
 from k3.model.names import legacy_key
-from k3.train.files import fsync_path
 
 FORMAT = "k3-checkpoint-2"  # -2 added meta_sha256; -1 (no self-checksum) still loads
 READABLE_FORMATS = ("k3-checkpoint-1", FORMAT)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3.train.files import atomic_write
+from k3.formats.files import atomic_write
 
 RUN_FILE = "run.json"
 FORMAT = "k3-run-1"
@@ -51,15 +51,6 @@ class RunRecord:
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, "flags": self.flags, "data": self.data, "val_data": self.val_data,
                 "tokenizer_sha256": self.tokenizer_sha256, "history": self.history}  # fmt: skip
-
-
-def data_entry(path: str | None, sha256: str | None) -> dict[str, Any]:
-    """The data as recorded: an absolute path (None: the standard library; a domain: its name) and its
-    content's sha256."""
-    from k3.train.corpus import domain_spec  # a domain is recorded by its name, not as a path
-
-    where = None if path is None else domain_spec(path) or str(Path(path).resolve())
-    return {"path": where, "sha256": sha256}
 
 
 def read_record(run: Path) -> RunRecord | None:

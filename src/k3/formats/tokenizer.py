@@ -1,18 +1,27 @@
 """Byte-level BPE (SPEC §4), trained with the `tokenizers` library and saved as tokenizer.json beside
-the checkpoint. Byte-level means every string round-trips, whatever the corpus."""
+the checkpoint. Byte-level means every string round-trips, whatever the corpus.
+
+The special tokens are part of the format, the four structural tokens of K3's chat format among them
+(k3.chat reads them from here: they are what a tokenizer.json must register for chat to work)."""
 
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from k3.chat.tokens import CHAT_SPECIAL_TOKENS
-from k3.train.files import atomic_write
+from k3.formats.files import atomic_write
 
 EOS = "<|endoftext|>"  # document boundary
 BASE_SPECIAL_TOKENS = [EOS, "<|pad|>", "<|im_start|>", "<|im_end|>", "<|image|>"]
-# K3's chat format's structural tokens (k3.chat) come after: tokenizers trained before they existed
-# still load, and the chat endpoint then says the tokenizer has no chat format.
+# K3's chat format's structural tokens (SPEC §3, docs/chat.md): `<|open|>` and `<|close|>` start a tag's
+# header, `<|sep|>` ends it, `<|end_of_msg|>` ends a message and is the released model's stop token. They come
+# after the base tokens: tokenizers trained before they existed still load, and the chat endpoint then says
+# the tokenizer has no chat format.
+OPEN = "<|open|>"
+CLOSE = "<|close|>"
+SEP = "<|sep|>"
+END_OF_MSG = "<|end_of_msg|>"
+CHAT_SPECIAL_TOKENS = [OPEN, CLOSE, SEP, END_OF_MSG]
 SPECIAL_TOKENS = [*BASE_SPECIAL_TOKENS, *CHAT_SPECIAL_TOKENS]
 
 

@@ -27,10 +27,10 @@ import torch
 from safetensors.torch import save_file
 
 from k3.config import RELEASED_QUANTIZATION_CONFIG, K3Config
+from k3.formats.files import fsync_path
 from k3.hub.folder import INDEX, SINGLE, ModelFolderError
 from k3.hub.layout import EXPERT_WEIGHT, release_name
 from k3.model.names import RELEASED_A_LOG_SIZE
-from k3.train.files import fsync_path
 
 ARCHITECTURES = {"language_model": "KimiK3ForConditionalGeneration", "model": "KimiK3ForCausalLM"}
 MODEL_TYPE = "kimi_k3"
@@ -190,7 +190,7 @@ def write_model_folder(
 
 
 def _write_tokenizer(path: Path, folder: Path, max_length: int | None) -> None:
-    from k3.train.tokenizer import EOS, K3Tokenizer
+    from k3.formats.tokenizer import EOS, K3Tokenizer
 
     tokenizer = K3Tokenizer.load(path)
     shutil.copyfile(path, folder / "tokenizer.json")
@@ -215,8 +215,8 @@ def export_model(
     force: bool = False,
 ) -> Path:
     """A run, step or model folder -> a model folder in the release layout at `out`."""
+    from k3.formats.tokenizer import K3Tokenizer
     from k3.hub.load import load_pretrained
-    from k3.train.tokenizer import K3Tokenizer
 
     if prefix not in ARCHITECTURES:
         raise ModelFolderError(f"prefix {prefix!r}: choose 'model' (text-only) or 'language_model' (the release's)")

@@ -185,8 +185,8 @@ def load_pretrained(
 ) -> Pretrained:
     """The model (eval mode) of a model folder, a run folder or a step folder; quantization="mxfp4" holds
     its routed experts MXFP4-packed (module docstring)."""
+    from k3.formats.checkpoint import load_checkpoint
     from k3.quant.packed_experts import pack_experts
-    from k3.train.checkpoint import load_checkpoint
 
     check_quantization(quantization)
     path = Path(path)
@@ -210,7 +210,7 @@ def load_pretrained(
 
 def load_tokenizer(pretrained: Pretrained):
     """The K3Tokenizer that came with a loaded model; an error if there is none or it does not fit."""
-    from k3.train.tokenizer import K3Tokenizer
+    from k3.formats.tokenizer import K3Tokenizer
 
     if pretrained.tokenizer_path is None:
         where = "the model folder" if pretrained.kind == "model folder" else "the run folder"

@@ -9,7 +9,7 @@ the rename, k3 named each layer's AttnRes pseudo-query and key norm after an err
     model.layers.{i}.ffn_res_norm.weight         ->  model.layers.{i}.mlp_res_norm.weight
 
 Nothing else changed (the top-level `output_attn_res_*` was always right). `legacy_key` maps one old name
-to its released name; run folders (`k3.train.checkpoint`) and model folders both load through it, so
+to its released name; run folders (`k3.formats.checkpoint`) and model folders both load through it, so
 checkpoints written under the old names keep loading.
 """
 

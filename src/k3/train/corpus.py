@@ -80,6 +80,13 @@ def domain_spec(data: str | Path | None) -> str | None:
     return str(data) if isinstance(data, str) and is_domain_spec(data) else None
 
 
+def data_entry(path: str | None, sha256: str | None) -> dict[str, str | None]:
+    """The data as a run folder records it (k3.formats.run_record): an absolute path (None: the standard
+    library; a domain: its name, not a path) and its content's sha256."""
+    where = None if path is None else domain_spec(path) or str(Path(path).resolve())
+    return {"path": where, "sha256": sha256}
+
+
 def _documents(data: str | Path | None, what: str, log: Callable[[str], None] | None) -> tuple[list[Document], bool]:
     """(documents, whether `data` is a single file)."""
     if data is not None and domain_spec(data) is not None:  # a domain of the standard library, or tasks

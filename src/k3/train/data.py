@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from k3.formats.files import atomic_write
+from k3.formats.tokenizer import K3Tokenizer
 from k3.train.corpus import Document
-from k3.train.files import atomic_write
-from k3.train.tokenizer import K3Tokenizer
 
 
 def pack(docs: list[Document], tokenizer: K3Tokenizer) -> np.ndarray:

@@ -8,7 +8,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
-from k3.train.files import atomic_write, latest_timeline, read_jsonl
+from k3.formats.files import atomic_write, latest_timeline, read_jsonl
 
 
 def read_metrics(run: Path, log: Callable[[str], None] | None = None) -> list[dict]:

@@ -5,7 +5,7 @@ Saving (`full_state`): every rank takes part, rank 0 ends up with what one proce
                                                                           one tensor at a time in name order
     routed experts of the other ranks of EP group 0, and their state      sent point to point to rank 0,
                                                                           rank by rank, in name order
-and rank 0 writes the usual step folder (k3.train.checkpoint), so a checkpoint written by N ranks is
+and rank 0 writes the usual step folder (k3.formats.checkpoint), so a checkpoint written by N ranks is
 loaded by any number of ranks, by `k3 export`, `k3 generate` and the serving engine without a conversion.
 Loading: every rank reads the files, keeps its own experts (the model's names say which) and takes its
 rows of each FSDP2 parameter's state (`local_part`); the model's weights are loaded before it is sharded.
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from k3.formats.checkpoint import write_checkpoint
 from k3.model import K3Model
-from k3.train.checkpoint import write_checkpoint
 from k3.train.distributed import collective
 from k3.train.optim import param_groups
 from k3.train.parallelize import ParallelModel
@@ -131,7 +131,7 @@ def local_part(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 def save_gathered(pm: ParallelModel, optimizer, run: Path, step: int, config, state: dict[str, Any],
                   expert_optimizer: str, expert_ns_steps: int, keep_last: int) -> Path:  # fmt: skip
-    """full_state, written by rank 0 as step `step` of `run` (k3.train.checkpoint.write_checkpoint, with the
+    """full_state, written by rank 0 as step `step` of `run` (k3.formats.checkpoint.write_checkpoint, with the
     layout in the training state); every rank returns after the write (a barrier)."""
     model_tensors, opt_tensors, opt_meta = full_state(pm, optimizer, config, expert_optimizer, expert_ns_steps)
     path = run / f"step_{step:08d}"

@@ -28,14 +28,8 @@ from tqdm import tqdm
 
 from k3.config import PRESETS, K3Config
 from k3.data.synthetic import SyntheticMix
-from k3.model import K3Model
-from k3.quant.qat import set_expert_quantization
-from k3.train.balance import FixedStepBalancer, QuantileBalancer
-from k3.train.checkpoint import CheckpointError, config_diff, load_checkpoint, save_checkpoint, step_dirs
-from k3.train.corpus import domain_spec, fingerprint, load_corpus
-from k3.train.data import PackedSequences, cached_pack
-from k3.train.distributed import DP_MODES, Parallel, kill_point
-from k3.train.files import (
+from k3.formats.checkpoint import CheckpointError, config_diff, load_checkpoint, save_checkpoint, step_dirs
+from k3.formats.files import (
     append_line,
     atomic_write,
     clean_stale_temp,
@@ -43,21 +37,26 @@ from k3.train.files import (
     read_jsonl,
     repair_torn_tail,
 )
-from k3.train.optim import EXPERT_OPTIMIZERS, build_optimizer, lr_at, set_lr_factor
-from k3.train.parallelize import clip_grad_norm, parallelize, sync_expert_grads
-from k3.train.runinfo import (
+from k3.formats.run_record import (
     RESULT_FLAGS,
     RunMismatchError,
     RunRecord,
-    data_entry,
     differences,
     file_sha256,
     model_differences,
     read_record,
     write_record,
 )
+from k3.formats.tokenizer import K3Tokenizer, train_tokenizer
+from k3.model import K3Model
+from k3.quant.qat import set_expert_quantization
+from k3.train.balance import FixedStepBalancer, QuantileBalancer
+from k3.train.corpus import data_entry, domain_spec, fingerprint, load_corpus
+from k3.train.data import PackedSequences, cached_pack
+from k3.train.distributed import DP_MODES, Parallel, kill_point
+from k3.train.optim import EXPERT_OPTIMIZERS, build_optimizer, lr_at, set_lr_factor
+from k3.train.parallelize import clip_grad_norm, parallelize, sync_expert_grads
 from k3.train.stages import TrainBatches, parse_stages, stage_rows
-from k3.train.tokenizer import K3Tokenizer, train_tokenizer
 
 TOKENIZER_SAMPLE_BYTES = 8_000_000  # BPE merges are learned from about this much of the training text
 CACHED = ("train_tokens.npy", "val_tokens.npy")  # what the data and the tokenizer determine
@@ -453,7 +452,7 @@ class Trainer:
         self.step, self.position = ckpt.step, ckpt.state["position"]
         self.saved_step = ckpt.step
         # metrics.jsonl is only appended to: the lines the interrupted run logged after this checkpoint are
-        # superseded by the ones this run logs for the same steps (k3.train.files.latest_timeline).
+        # superseded by the ones this run logs for the same steps (k3.formats.files.latest_timeline).
         self.log(f"resumed from {ckpt.path} at step {self.step}")
 
     def _carry_optimizer_state(self, ckpt, expert_optimizer: str, expert_ns_steps: int) -> None:

@@ -9,7 +9,7 @@ with the loss on every text token after the image (question and answer; the imag
 the padding carry no target). Tower, projector and language model start from random weights and learn
 together from that loss alone: no contrastive pre-training. The optimiser, schedule, clipping and
 router-bias balancing are the text trainer's (k3.train.optim, k3.train.balance); the checkpoints are the
-same format (k3.train.checkpoint), so `k3 generate --model RUN --image ...` and `LLM(model=RUN)` load them.
+same format (k3.formats.checkpoint), so `k3 generate --model RUN --image ...` and `LLM(model=RUN)` load them.
 
 `use_images=False` trains the text-only baseline: the same sequences without the image span, so it
 learns what the questions alone tell about the answers (docs/vision.md compares the two).
@@ -31,13 +31,13 @@ from k3.config import K3Config
 from k3.data.image_input import image_to_tensor
 from k3.data.images import all_texts, example
 from k3.data.media import MEDIA_TOKENS, image_span, media_token_ids
+from k3.formats.checkpoint import save_checkpoint, step_dirs
+from k3.formats.files import append_line
+from k3.formats.tokenizer import K3Tokenizer, train_tokenizer
 from k3.model import K3Model
 from k3.model.vision import image_tokens
 from k3.train.balance import QuantileBalancer
-from k3.train.checkpoint import save_checkpoint, step_dirs
-from k3.train.files import append_line
 from k3.train.optim import build_optimizer, lr_at, set_lr_factor
-from k3.train.tokenizer import K3Tokenizer, train_tokenizer
 
 TOKENIZER_VOCAB = 512  # the generated texts' words need far fewer; BPE stops when it runs out of pairs
 
