@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate, naive_recurrent_kda
 from k3.ops.kda.backend import fla_naive
-from k3.ops.kda.chunk import SUB, chunk_kda_fwd
+from k3.ops.kda.chunk import chunk_kda_fwd
+from k3.ops.kda.chunk_terms import SUB
 
 SLOW_S = 2.0  # measurements slower than this per call get fewer repeats
 MAX_AUTOGRAD_T = 4096  # autograd through the per-token loop keeps ~3 states per token: 13 GB at 16K

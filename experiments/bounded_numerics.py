@@ -26,7 +26,7 @@ from common import Store, out_dir, parser, save_figure, write_tables
 
 from k3.model.situ import situ
 from k3.ops.kda import chunk_kda, kda_gate, l2norm, naive_recurrent_kda
-from k3.ops.kda.chunk import _intra_chunk
+from k3.ops.kda.chunk_terms import _intra_chunk
 
 NAME = "bounded_numerics"
 DECAYS = (-1.0, -5.0, -8.0, -20.0)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import k3.ops.kda.chunk as chunk_mod
 import k3.ops.kda.chunk_bwd as chunk_bwd
+import k3.ops.kda.chunk_terms as chunk_terms
 from k3.ops.kda import chunk_kda, l2norm, naive_recurrent_kda
 from k3.ops.kda.gate import kda_gate
 from kda_inputs import grads_of, make_inputs, random_state, rel_rms
@@ -157,8 +157,8 @@ def test_steep_unbounded_gate_takes_the_exact_path(monkeypatch):
     """Decays beyond what the pivoted factorisation can hold fall back to the exact per-channel form,
     in the forward and in the hand-written backward."""
     calls, bwd_calls = [], []
-    exact, bwd_exact = chunk_mod._intra_chunk_exact, chunk_bwd._decayed_exact
-    monkeypatch.setattr(chunk_mod, "_intra_chunk_exact", lambda *a: calls.append(1) or exact(*a))
+    exact, bwd_exact = chunk_terms._intra_chunk_exact, chunk_bwd._decayed_exact
+    monkeypatch.setattr(chunk_terms, "_intra_chunk_exact", lambda *a: calls.append(1) or exact(*a))
     monkeypatch.setattr(chunk_bwd, "_decayed_exact", lambda *a: bwd_calls.append(1) or bwd_exact(*a))
     q, k, v, _, beta = make_inputs(1, 100, 2, 16, 16)
     g = -30 * torch.rand(1, 100, 2, 16, dtype=torch.float64)  # unbounded gate: up to e^-30 per token

@@ -21,16 +21,16 @@ dU = du, dW = −du Sᵀ. Then through the chunk-parallel terms (recomputed, not
 
 import torch
 
-from k3.ops.kda.chunk import (
+from k3.ops.kda.chunk_terms import (
     SAFE_EXP,
     SUB,
-    _chunk_terms,
-    _chunked,
-    _exp,
-    _group_inputs,
-    _groups,
-    _sequences,
-    _unchunked,
+    chunk_groups,
+    chunk_terms,
+    chunked,
+    floored_exp,
+    group_inputs,
+    sequence_chunks,
+    unchunked,
 )
 
 RISKY_EXP = 40.0
@@ -64,8 +64,8 @@ class Decay:
         self.rows, self.cols = [], []  # per row block i ≥ 1: e^{G_t − r_i} (its rows), e^{r_i − G_s} (s < i·sub)
         for i in range(1, self.nb):
             start = G[:, :, i * self.sub : i * self.sub + 1]
-            self.rows.append(_exp(Gb[:, :, i] - start))
-            self.cols.append(_exp(start - G[:, :, : i * self.sub]))
+            self.rows.append(floored_exp(Gb[:, :, i] - start))
+            self.cols.append(floored_exp(start - G[:, :, : i * self.sub]))
 
     def _blocks(self, D: torch.Tensor) -> torch.Tensor:
         BH, n = D.shape[:2]
@@ -106,7 +106,7 @@ def _decayed_exact(D: torch.Tensor, Y: torch.Tensor, G: torch.Tensor, formula: s
     out = []
     for j in range(Y.shape[1]):
         Gj = G[:, j]
-        E = _exp((Gj.unsqueeze(2) - Gj.unsqueeze(1)).clamp(max=0))  # (BH, t, s, K)
+        E = floored_exp((Gj.unsqueeze(2) - Gj.unsqueeze(1)).clamp(max=0))  # (BH, t, s, K)
         out.append(torch.einsum(formula, D[:, j], Y[:, j], E))
     return torch.stack(out, dim=1)
 
@@ -154,7 +154,7 @@ def chunk_kda_bwd(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_c
     C = chunk_size
     NC = starts.shape[1]
     packed = seq_chunks is not None  # N packed sequences in one row (B = 1), else one sequence per batch row
-    seq_chunks, first, last, _ = _sequences(seq_chunks, NC, None, B, H, K, V)
+    seq_chunks, first, last, _ = sequence_chunks(seq_chunks, NC, None, B, H, K, V)
     N = len(seq_chunks) if packed else B
     dfinal = q.new_zeros(N, H, K, V) if dfinal is None else dfinal.to(q.dtype)
     # per sequence of the recursion, its state rows: (sequences, rows, K, V)
@@ -163,11 +163,11 @@ def chunk_kda_bwd(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_c
     grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]  # every position is written by one group below
     do = do.to(q.dtype)
     dS = q.new_zeros(B * H, K, V)
-    for c0, c1 in reversed(_groups(B, H, C, K, V, NC)):
-        t = _chunk_terms(*_group_inputs((q, k, v, g, beta), c0, c1, C, T), scale, C)
+    for c0, c1 in reversed(chunk_groups(B, H, C, K, V, NC)):
+        t = chunk_terms(*group_inputs((q, k, v, g, beta), c0, c1, C, T), scale, C)
         S_n = starts[:, c0:c1]  # (BH, n, K, V)
         u = t.U - t.W @ S_n
-        do_n = _chunked(_group_inputs((do,), c0, c1, C, T)[0], C)  # (BH, n, C, V)
+        do_n = chunked(group_inputs((do,), c0, c1, C, T)[0], C)  # (BH, n, C, V)
         Aqk_do = t.Aqk.transpose(-1, -2) @ do_n  # (BH, n, C, V)
         qd_do = t.q_decay.transpose(-1, -2) @ do_n  # (BH, n, K, V)
         du, dS_after = [None] * (c1 - c0), [None] * (c1 - c0)
@@ -190,6 +190,6 @@ def chunk_kda_bwd(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_c
         t0, t1 = c0 * C, min(T, c1 * C)
         for grad, part in zip(grads, parts, strict=True):
             chunk = part if part.dim() == 4 else part.unsqueeze(-1)
-            unchunked = _unchunked(chunk, B)[:, : t1 - t0]
-            grad[:, t0:t1] = unchunked if grad.dim() == 4 else unchunked.squeeze(-1)
+            tokens = unchunked(chunk, B)[:, : t1 - t0]
+            grad[:, t0:t1] = tokens if grad.dim() == 4 else tokens.squeeze(-1)
     return (*grads, dh0.reshape(N, H, K, V))
