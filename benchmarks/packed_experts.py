@@ -7,7 +7,7 @@ The small preset with random weights (`k3 init`) is exported with `k3 export --q
 folder, then served twice through the engine (`LLM`): decoded to dense fp32 weights at load (the default), and
 with `quantization="mxfp4"` (the packed bytes kept as they are, each active expert dequantised per forward).
 Both compute from the same unpack(pack(w)) weights, so their greedy tokens must be identical; the run checks it.
-Columns: resident bytes of the routed experts' weights (`k3.quant.routed_expert_bytes`) and of all weights,
+Columns: resident bytes of the routed experts' weights (`k3.model.quantization.routed_expert_bytes`) and of all weights,
 load time, and decode tokens/s after the prefill (greedy, every request exactly --new-tokens tokens, prefix
 cache off), medians of rounds that alternate the two models.
 """
@@ -24,7 +24,7 @@ import torch
 
 from k3.cli import main as k3
 from k3.hub import export_model
-from k3.quant import routed_expert_bytes, routed_expert_numel
+from k3.model.quantization import routed_expert_bytes, routed_expert_numel
 from k3.serve.llm import LLM
 from k3.serve.sampling import SamplingParams
 

@@ -15,7 +15,7 @@ see the same batches; their optimiser steps alternate, so their step times are m
 Greedy agreement: the fraction of validation positions where the served model's top-1 token is the one its
 own unquantised forward (the same weights with expert_quantization None: (b)'s master weights, or (a))
 picks, teacher-forced. Decode ms/token: the engine at batch 1 (greedy, prefix cache off), the models' steps
-interleaved. Expert bytes: `k3.quant.routed_expert_bytes` of the served models.
+interleaved. Expert bytes: `k3.model.quantization.routed_expert_bytes` of the served models.
 """
 
 import argparse
@@ -32,8 +32,7 @@ import torch
 
 from k3.formats.tokenizer import K3Tokenizer
 from k3.hub import export_model, load_pretrained
-from k3.quant import routed_expert_bytes
-from k3.quant.qat import set_expert_quantization
+from k3.model.quantization import routed_expert_bytes, set_expert_quantization
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.train.trainer import TrainArgs, Trainer

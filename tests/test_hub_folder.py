@@ -289,7 +289,8 @@ def test_mxfp4_experts_stay_packed_bytes_straight_from_the_folder(release, monke
     """quantization='mxfp4': the folder's weight_packed/weight_scale bytes land in MXFP4Linear buffers as they
     are (no expert is decoded while loading), and the model computes what the dense-decoded load computes."""
     import k3.quant.mx as mx
-    from k3.quant import MXFP4Linear, routed_expert_bytes
+    from k3.model.quantization import routed_expert_bytes
+    from k3.quant import MXFP4Linear
 
     path, _ = release
     folder, _ = release_tensors()

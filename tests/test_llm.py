@@ -185,7 +185,8 @@ def test_llm_serves_from_packed_mxfp4_experts(packed_folder):
     routed experts' resident bytes 128/17 times smaller."""
     import torch
 
-    from k3.quant import MXFP4Linear, routed_expert_bytes
+    from k3.model.quantization import routed_expert_bytes
+    from k3.quant import MXFP4Linear
 
     dense = LLM(model=str(packed_folder), memory_budget=8 << 20)
     packed = LLM(model=str(packed_folder), quantization="mxfp4", memory_budget=8 << 20)

@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from k3 import K3Cache, generate
-from k3.quant import (
-    MXFP4Linear,
-    PackedExpertTrainingError,
-    pack_experts,
-    pack_mxfp4,
-    routed_expert_bytes,
-    unpack_experts,
-    unpack_mxfp4,
-)
+from k3.model.quantization import pack_experts, routed_expert_bytes, unpack_experts
+from k3.quant import MXFP4Linear, PackedExpertTrainingError, pack_mxfp4, unpack_mxfp4
 from tiny_models import tiny_model
 
 

@@ -16,9 +16,10 @@ from k3.cli import main
 from k3.formats.tokenizer import byte_tokenizer
 from k3.model import moe as moe_module
 from k3.model.moe import LatentMoE
+from k3.model.quantization import pack_experts, set_expert_quantization
 from k3.model.situ import glu
-from k3.quant import FP4_E2M1, FP8_E4M3, FP8_E5M2, MXFP4Linear, fake_quantize_mx, pack_experts, pack_mxfp4
-from k3.quant.qat import fake_quantize, set_expert_quantization
+from k3.quant import FP4_E2M1, FP8_E4M3, FP8_E5M2, MXFP4Linear, fake_quantize_mx, pack_mxfp4
+from k3.quant.qat import fake_quantize
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig

@@ -128,7 +128,7 @@ def _check_context(path: str, prompt: str, max_tokens: int, max_model_len: int |
 
 
 def _packed_experts_line(model) -> str:
-    from k3.quant import routed_expert_bytes, routed_expert_numel
+    from k3.model.quantization import routed_expert_bytes, routed_expert_numel
 
     packed, fp32 = routed_expert_bytes(model), 4 * routed_expert_numel(model)
     return (

@@ -111,8 +111,8 @@ def load_model_folder(
     """A K3Model (eval mode) from a model folder. Names, shapes and dtypes of every tensor are checked
     against the config from the headers first; then tensors are read one at a time into the model.
     quantization="mxfp4" keeps the routed experts packed (module docstring)."""
+    from k3.model.quantization import allocate_packed_experts
     from k3.quant import mx
-    from k3.quant.packed_experts import allocate_packed_experts
 
     check_quantization(quantization)
     folder = ModelFolder.open(path)
@@ -186,7 +186,7 @@ def load_pretrained(
     """The model (eval mode) of a model folder, a run folder or a step folder; quantization="mxfp4" holds
     its routed experts MXFP4-packed (module docstring)."""
     from k3.formats.checkpoint import load_checkpoint
-    from k3.quant.packed_experts import pack_experts
+    from k3.model.quantization import pack_experts
 
     check_quantization(quantization)
     path = Path(path)

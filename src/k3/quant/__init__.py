@@ -1,5 +1,7 @@
-"""Quantisation: OCP microscaling (MX) codecs, the MXFP4-packed routed experts of the release, and
-quantisation-aware training of the routed experts (MXFP4 weights, MXFP8 inputs)."""
+"""Quantisation: OCP microscaling (MX) codecs, the MXFP4-packed expert weight of the release, and the
+quantisers of quantisation-aware training (MXFP4 weights, MXFP8 inputs). Below the model: nothing here
+imports k3.model; the helpers that walk a model (pack_experts, set_expert_quantization, ...) are
+k3.model.quantization's."""
 
 from k3.quant.mx import (
     BLOCK_SIZE,
@@ -14,16 +16,8 @@ from k3.quant.mx import (
     quantize_mx,
     unpack_mxfp4,
 )
-from k3.quant.packed_experts import (
-    MXFP4Linear,
-    PackedExpertTrainingError,
-    allocate_packed_experts,
-    pack_experts,
-    routed_expert_bytes,
-    routed_expert_numel,
-    unpack_experts,
-)
-from k3.quant.qat import fake_quantize, fake_quantize_ste, set_expert_quantization
+from k3.quant.packed_experts import MXFP4Linear, PackedExpertTrainingError
+from k3.quant.qat import fake_quantize, fake_quantize_ste
 
 __all__ = [
     "BLOCK_SIZE",
@@ -33,18 +27,12 @@ __all__ = [
     "ElementFormat",
     "MXFP4Linear",
     "PackedExpertTrainingError",
-    "allocate_packed_experts",
     "check_packed_mxfp4",
     "dequantize_mx",
     "fake_quantize",
     "fake_quantize_mx",
     "fake_quantize_ste",
-    "pack_experts",
     "pack_mxfp4",
     "quantize_mx",
-    "routed_expert_bytes",
-    "routed_expert_numel",
-    "set_expert_quantization",
-    "unpack_experts",
     "unpack_mxfp4",
 ]

@@ -19,10 +19,7 @@ rounds to m mantissa bits (ties to even) and subtracting it is exact, and the el
 to 2^-136 for E4M3 at the smallest scale) is a float32 value, normal or subnormal.
 """
 
-from dataclasses import replace
-
 import torch
-from torch import nn
 
 from k3.quant.mx import BLOCK_SIZE, E8M0_BIAS, FP4_E2M1, FP8_E4M3, ElementFormat, _check_blocks, _check_float
 from k3.quant.packed_experts import MXFP4Linear
@@ -91,18 +88,3 @@ def quantized_weight(layer: torch.nn.Module) -> torch.Tensor:
     if isinstance(layer, MXFP4Linear):
         return layer.weight
     return fake_quantize_ste(layer.weight, WEIGHT_FORMAT)
-
-
-def set_expert_quantization(model: nn.Module, expert_quantization: str | None):
-    """Make `model` (a K3Model) compute its routed experts with `expert_quantization` (None or "mxfp4"):
-    its config is replaced by one that records it (what checkpoints and exports write) and every LatentMoE
-    follows it. Returns the new config. This is how QAT starts, from step 0 or from a full-precision
-    checkpoint, and how a full-precision model is served quantised after training (PTQ)."""
-    from k3.model.moe import LatentMoE
-
-    config = replace(model.config, expert_quantization=expert_quantization)  # validates the value
-    model.config = config
-    for module in model.modules():
-        if isinstance(module, LatentMoE):
-            module.quantization = expert_quantization
-    return config

@@ -49,7 +49,7 @@ from k3.formats.run_record import (
 )
 from k3.formats.tokenizer import K3Tokenizer, train_tokenizer
 from k3.model import K3Model
-from k3.quant.qat import set_expert_quantization
+from k3.model.quantization import set_expert_quantization
 from k3.train.balance import FixedStepBalancer, QuantileBalancer
 from k3.train.corpus import data_entry, domain_spec, fingerprint, load_corpus
 from k3.train.data import PackedSequences, cached_pack
