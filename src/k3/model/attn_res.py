@@ -20,14 +20,21 @@ r_s = 1/rms(v_s), logit_s = a_s · r_s, p = softmax_s(logit), h = Σ_s p_s v_s a
 Autograd through the composed form ran ~10 small ops per source and as many backward nodes (mv, pow, mean,
 rsqrt, mul, addcmul, each with its own pass over v); the Function saves only references to the sources
 (the stream keeps them alive anyway) and three (S, B, T) rows of statistics.
+
+Inference runs the same forward, so a served model computes its trained function bit for bit (a stacked
+form for short inputs, a few percent faster per decode step and another summation order, was removed:
+docs/benchmarks.md, "Block AttnRes at inference"); the stream only computes each completed block's 1/rms
+once for all the sublayers that read it.
 """
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from k3.model.norm import RMSNorm
 from k3.ops.autograd import first_derivative_only
-from k3.ops.numerics import at_least_fp32
+from k3.ops.numerics import at_least_fp32, inverse_norm
 
 
 def attn_res_reference(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
@@ -40,12 +47,18 @@ def attn_res_reference(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNo
     return (weights[..., None] * vf).sum(0).to(sources[0].dtype)
 
 
-def attn_res(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
+def attn_res(
+    sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm, inv_rms: Sequence[torch.Tensor] = ()
+) -> torch.Tensor:
     """sources: S tensors (B, T, d) -> (B, T, d). proj: the pseudo-query w as a (d -> 1) linear map,
     norm: its key RMSNorm (`*_res_proj`, `*_res_norm` in the released checkpoint).
 
     w · RMSNorm(v) = (v · (w ⊙ γ)) / rms(v): one dot product and one mean square per source, with no
     stacked (S, B, T, d) copy and no normalised copy of every source.
+
+    inv_rms: 1/rms of the first len(inv_rms) sources, (B·T,) each (`source_inv_rms`), when the caller keeps
+    them: they do not depend on the query, so AttnResStream computes a completed block's once for all the
+    sublayers that read it. Inference only (no autograd graph); the values are the ones computed here.
     """
     if len(sources) == 1:
         return sources[0]
@@ -59,22 +72,27 @@ def attn_res(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> tor
     if torch.is_grad_enabled() and (
         proj.weight.requires_grad or norm.weight.requires_grad or any(v.requires_grad for v in sources)
     ):
+        if len(inv_rms):
+            raise ValueError("attn_res: inv_rms is for inference; the training Function computes every 1/rms itself")
         return _AttnRes.apply(proj.weight, norm.weight, norm.eps, *sources)
-    return _forward(proj.weight, norm.weight, norm.eps, sources)[0]
+    return _forward(proj.weight, norm.weight, norm.eps, sources, inv_rms)[0]
 
 
-def _forward(weight, gamma, eps, sources):
-    """-> h (B, T, d) in the sources' dtype, and p, a, r (S, B·T) in at least fp32 (see the module docstring)."""
+def source_inv_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
+    """(B, T, d) -> (B·T,) 1/rms(v) in at least fp32, through k3.ops.numerics like every RMSNorm of the model."""
+    return inverse_norm(at_least_fp32(v).reshape(-1, v.shape[-1]), eps, mean=True)[:, 0]
+
+
+def _forward(weight, gamma, eps, sources, inv_rms=()):
+    """-> h (B, T, d) in the sources' dtype, and p, a, r (S, B·T) in at least fp32 (see the module docstring).
+    inv_rms: r of the first sources, when the caller has them (attn_res)."""
     d = sources[0].shape[-1]
     v0 = at_least_fp32(sources[0])
     g = (weight[0] * gamma).to(v0.dtype)
     a = v0.new_empty(len(sources), v0.numel() // d)
-    r = torch.empty_like(a)
     for s, v in enumerate(sources):
-        vf = at_least_fp32(v).reshape(-1, d)
-        torch.linalg.vecdot(vf, g, out=a[s])  # 1.6x faster than mv here (B·T x d row-major, one thread)
-        torch.linalg.vector_norm(vf, dim=-1, out=r[s])  # reads v once, allocates no v²
-    r.square_().div_(d).add_(eps).rsqrt_()
+        torch.linalg.vecdot(at_least_fp32(v).reshape(-1, d), g, out=a[s])  # 1.6x faster than mv here
+    r = torch.stack([*inv_rms, *(source_inv_rms(v, eps) for v in sources[len(inv_rms) :])])
     p = torch.softmax(a * r, dim=0)  # (S, N) in fp32 (or fp64)
     pv = p.to(sources[0].dtype).reshape(len(sources), *sources[0].shape[:-1], 1)
     h = torch.mul(sources[0], pv[0])
@@ -138,11 +156,6 @@ class ResidualStream:
     readout = input
 
 
-# Inference over at most this many tokens (decode steps, short chunks) takes the stacked form of
-# AttnResStream.input: a few ops over all sources at once instead of several per source.
-STACK_TOKENS = 256
-
-
 class AttnResStream:
     """Block AttnRes bookkeeping over depth: the completed blocks b₀ … b_{n−1} (b₀ the embedding) and
     `partial`, the sum of the sublayer outputs so far in the current block.
@@ -151,15 +164,18 @@ class AttnResStream:
     layer closes the current block, whose partial sum becomes the next b_n, and starts an empty one;
     inside a block each sublayer's output is added to `partial`. Every sublayer input, and the final
     readout, is attn_res over the completed blocks and the partial sum (absent right after a block opens).
+
+    One form in training and inference, so a served model computes its trained function bit for bit: at
+    inference the completed blocks' 1/rms, which do not depend on the sublayer's query, are computed once per
+    block (`_inv_rms`) instead of once per sublayer, the same values attn_res would compute.
     """
 
     def __init__(self, embedding: torch.Tensor, block_starts: set[int]):
         self.blocks = [embedding]  # (B, T, d) each
         self.partial: torch.Tensor | None = None
         self.block_starts = block_starts
-        # the completed blocks stacked (S, B, T, d) with 1 / rms of each (S, B, T): neither depends on
-        # the sublayer's query, so they are built once per block, not once per sublayer
-        self._stacked: tuple[torch.Tensor, torch.Tensor, float] | None = None
+        self._inv_rms: list[torch.Tensor] = []  # (B·T,) 1/rms of blocks[i], filled at inference as blocks complete
+        self._inv_rms_eps: float | None = None
 
     def begin_layer(self, index: int) -> None:
         if index in self.block_starts and self.partial is not None:
@@ -168,30 +184,18 @@ class AttnResStream:
 
     def input(self, query: tuple[nn.Linear, RMSNorm]) -> torch.Tensor:
         """The next sublayer's input under its pseudo-query (proj, norm): (B, T, d)."""
-        x, single = self.blocks[0], len(self.blocks) == 1 and self.partial is None
-        if single or torch.is_grad_enabled() or x.shape[0] * x.shape[1] > STACK_TOKENS:
-            return attn_res(self.blocks if self.partial is None else [*self.blocks, self.partial], *query)
-        return self._stacked_input(*query)
+        sources = self.blocks if self.partial is None else [*self.blocks, self.partial]
+        if torch.is_grad_enabled() or len(sources) == 1:
+            return attn_res(sources, *query)
+        return attn_res(sources, *query, inv_rms=self._block_inv_rms(query[1].eps))
 
-    def _stacked_input(self, proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
-        """attn_res over the stacked completed blocks and the partial sum, the same sum in fewer ops."""
-        if self._stacked is None or len(self._stacked[0]) != len(self.blocks) or self._stacked[2] != norm.eps:
-            stack = torch.stack(self.blocks)
-            sf = at_least_fp32(stack)
-            self._stacked = stack, torch.rsqrt(sf.pow(2).mean(-1) + norm.eps), norm.eps
-        stack, inv_rms, _ = self._stacked
-        sf = at_least_fp32(stack)
-        wg = (proj.weight[0] * norm.weight).to(sf.dtype)
-        logits = (sf @ wg) * inv_rms  # (S, B, T)
-        if self.partial is not None:
-            pf = at_least_fp32(self.partial)
-            last = (pf @ wg) * torch.rsqrt(pf.pow(2).mean(-1) + norm.eps)
-            logits = torch.cat([logits, last[None]])
-        weights = torch.softmax(logits, dim=0).to(stack.dtype)  # (S or S + 1, B, T)
-        out = (stack * weights[: len(stack), ..., None]).sum(0)
-        if self.partial is not None:
-            out = torch.addcmul(out, self.partial, weights[-1, ..., None])
-        return out
+    def _block_inv_rms(self, eps: float) -> list[torch.Tensor]:
+        """1/rms of every completed block (attn_res's inv_rms), each computed once."""
+        if eps != self._inv_rms_eps:
+            self._inv_rms, self._inv_rms_eps = [], eps
+        while len(self._inv_rms) < len(self.blocks):
+            self._inv_rms.append(source_inv_rms(self.blocks[len(self._inv_rms)], eps))
+        return self._inv_rms
 
     def add(self, out: torch.Tensor) -> None:
         self.partial = out if self.partial is None else self.partial + out
