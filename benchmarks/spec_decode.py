@@ -23,7 +23,7 @@ import torch
 
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
-from k3.spec.stats import SpecStats
+from k3.serve.speculative.stats import SpecStats
 
 
 def load(args) -> tuple[torch.nn.Module, dict, np.ndarray]:

@@ -9,11 +9,11 @@ import torch
 
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.model_runner import ModelRunner
-from k3.serve.plan import StepPlan, VerifyRow, prefill_piece
+from k3.serve.plan import ProposalRow, StepPlan, prefill_piece
 from k3.serve.sampling import SamplingParams
 from k3.serve.sequence import Sequence
+from k3.serve.speculative.proposer import Proposer
 from k3.spec.draft import DraftModel
-from k3.spec.proposer import Proposer
 from tiny_models import tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=18)
@@ -90,7 +90,7 @@ def _rolled_back(model, mode: str, prompt: list[int], tokens: list[int], n: int)
     seq.state_pages = engine.pool.allocate(engine.layout.n_kda)
     seq.latent_pages = engine.pool.allocate(engine.layout.latent_pages(len(prompt) + 8))
     runner.run(StepPlan([prefill_piece(seq, 0, len(prompt))]))
-    row = VerifyRow(seq, len(prompt), (7, *tokens), tuple(seq.latent_pages), tuple(seq.state_pages))
+    row = ProposalRow(seq, len(prompt), (7, *tokens), tuple(seq.latent_pages), tuple(seq.state_pages))
     out = runner.execute(StepPlan(decode=[row]))
     runner.rollback(out, {seq: n})
     return engine.pool.storage[seq.state_pages].clone()

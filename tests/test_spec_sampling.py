@@ -10,8 +10,8 @@ import torch
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
+from k3.serve.speculative.verify import accept_sampled
 from k3.spec.draft import DraftModel
-from k3.spec.verify import accept_sampled
 from tiny_models import tiny_model
 
 

@@ -4,10 +4,11 @@ One page pool (MLA latents and KDA states), the prefix cache with KDA checkpoint
 the model runner. `add_request` takes a prompt (text or token ids) and SamplingParams; every step
 returns the new text and tokens of the requests that advanced.
 
-With a draft model (speculative decoding, k3.spec, docs/speculative.md) a decoding request's step is a
-verify row: its last token and the draft's proposals, scored in the same forward as everything else;
-verification decides the tokens, the runner rolls the KDA states back to the last accepted one, the
-scheduler releases the rejected tokens' pages, and the draft proposes again from the forward's features.
+With a draft model (speculative decoding, docs/speculative.md: the draft is k3.spec's, the runtime
+k3.serve.speculative's) a decoding request's step is a proposal row: its last token and the draft's
+proposals, scored in the same forward as everything else; verification decides the tokens, the runner rolls
+the KDA states back to the last accepted one, the scheduler releases the rejected tokens' pages, and the
+draft proposes again from the forward's features.
 
 A request with a grammar (SamplingParams.grammar, k3.structured) gets its matcher when it is added (the
 grammar compiled against the tokenizer once, shared by the requests that use it): its row is sampled under
@@ -25,16 +26,16 @@ from k3.model.model import K3Model
 from k3.serve.images import ImageStore
 from k3.serve.layout import PageLayout
 from k3.serve.model_runner import ModelRunner, StepOutput
-from k3.serve.plan import StepPlan, VerifyRow
+from k3.serve.plan import ProposalRow, StepPlan
 from k3.serve.pool import PagePool
 from k3.serve.prefix_cache import PrefixCache
 from k3.serve.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from k3.serve.scheduler import Scheduler, SchedulerConfig
 from k3.serve.sequence import FinishReason, Sequence
+from k3.serve.speculative.proposer import Proposer
+from k3.serve.speculative.stats import SpecStats
+from k3.serve.speculative.verify import verify
 from k3.spec.draft import DraftModel
-from k3.spec.proposer import Proposer
-from k3.spec.stats import SpecStats
-from k3.spec.verify import verify
 from k3.structured.matcher import GrammarCompiler, GrammarMatcher
 from k3.structured.vocabulary import Vocabulary
 
@@ -51,7 +52,7 @@ class EngineConfig:
     max_model_len: int | None = None  # the context, prompt + max_tokens; None: the model's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_speculative_tokens: int | None = None  # proposals per step with a draft; None: the draft's own (7)
-    spec_rollback: str = "snapshot"  # how verify rows' KDA states return to the last accepted token (k3.spec.rollback)
+    spec_rollback: str = "snapshot"  # how proposal rows' KDA states go back to the last accepted token (kda_state.py)
     # speculate only while at most this many requests run (None: always): on a CPU a full batch already uses
     # the compute that verifying proposals needs, and speculation then slows it down (docs/benchmarks.md)
     spec_max_batch: int | None = None
@@ -189,9 +190,10 @@ class LLMEngine:
             self.scheduler.abandon(plan)
             raise
         new_tokens, rows, failed = self._choose(plan, out.logits)
-        # a failed verify row keeps its last token only; the request ends with its error in _postprocess
-        accepted = {p.seq: max(1, len(t)) for p, t in zip(plan.sampled, new_tokens, strict=True)
-                    if isinstance(p, VerifyRow)}  # fmt: skip
+        # a failed proposal row keeps its last token only; the request ends with its error in _postprocess
+        accepted = {
+            p.seq: max(1, len(t)) for p, t in zip(plan.sampled, new_tokens, strict=True) if isinstance(p, ProposalRow)
+        }
         self.runner.rollback(out, accepted)
         self.scheduler.complete(plan, accepted)
         outputs = self._postprocess(plan, out.logits, new_tokens, rows, failed)
@@ -210,14 +212,14 @@ class LLMEngine:
         return outputs
 
     def _choose(self, plan: StepPlan, logits: torch.Tensor) -> tuple[list[list[int]], list[list[int]], dict]:
-        """The new tokens of every sampled piece (one sampled token; a verify row's verified tokens) and the
+        """The new tokens of every sampled piece (one sampled token; a proposal row's verified tokens) and the
         logits rows they came from, in plan.sampled's order; and {piece index: exception} for the pieces
         whose sampling raised (they get no token; the other rows of the step are unaffected)."""
         pieces, rows, start = plan.sampled, [], 0
         for p in pieces:
             rows.append(list(range(start, start + p.num_logits)))
             start += p.num_logits
-        plain = [i for i, p in enumerate(pieces) if not isinstance(p, VerifyRow)]
+        plain = [i for i, p in enumerate(pieces) if not isinstance(p, ProposalRow)]
         new: list[list[int]] = [[] for _ in pieces]
         failed: dict[int, Exception] = {}
         if plain:
@@ -232,10 +234,10 @@ class LLMEngine:
                 tokens = [one(logits[at[j : j + 1]], s, allowed[j], plain[j], failed) for j, s in enumerate(seqs)]
             for i, t in zip(plain, tokens, strict=True):
                 new[i] = [] if t is None or i in failed else [t]
-        greedy = [i for i, p in enumerate(pieces) if isinstance(p, VerifyRow) and p.seq.params.greedy]
-        best = logits.argmax(-1).tolist() if greedy else None  # every greedy verify row's argmax, one device read
+        greedy = [i for i, p in enumerate(pieces) if isinstance(p, ProposalRow) and p.seq.params.greedy]
+        best = logits.argmax(-1).tolist() if greedy else None  # every greedy proposal row's argmax, one device read
         for i, p in enumerate(pieces):
-            if isinstance(p, VerifyRow):
+            if isinstance(p, ProposalRow):
                 seq = p.seq
                 row_best = None if best is None else [best[r] for r in rows[i]]
                 try:
@@ -269,7 +271,7 @@ class LLMEngine:
 
     def _postprocess(self, plan: StepPlan, logits: torch.Tensor, new_tokens: list[list[int]],
                      rows: list[list[int]], failed: dict) -> list[RequestOutput]:  # fmt: skip
-        """Append each sampled piece's new tokens (a verify row's until one ends the request), stream their
+        """Append each sampled piece's new tokens (a proposal row's until one ends the request), stream their
         text, finish and drop what is done. A request whose sampling, log-probabilities or detokenisation
         raised ends with finish_reason "error" (its pages freed); the others are unaffected."""
         outputs = []

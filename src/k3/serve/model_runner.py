@@ -1,10 +1,10 @@
 """Runs the model over the page pool: one forward per engine step for every piece of its plan, prefill
-pieces of any lengths, decode rows and verify rows alike (packed by k3.serve.paged_cache.PackedBatch).
+pieces of any lengths, decode rows and proposal rows alike (packed by k3.serve.paged_cache.PackedBatch).
 
 The runner executes a StepPlan and nothing else: it reads the pieces' tokens and page tables, writes
 the KDA states, conv tails and latents they compute into the pool (and the KDA checkpoints the plan
 asks for), and returns logits at the sampled positions, with the big model's AttnRes block summaries
-there when a draft needs them. After verification, `rollback` returns each verify row's KDA states to
+there when a draft needs them. After verification, `rollback` returns each proposal row's KDA states to
 its last accepted token. It changes no Sequence and no page's ownership; progress and commits are the
 scheduler's, after the forward.
 """
@@ -75,6 +75,6 @@ class ModelRunner:
 
     @torch.no_grad()
     def rollback(self, output: StepOutput, accepted: dict) -> None:
-        """After verification: each verify row keeps accepted[seq] of its tokens in its KDA states."""
+        """After verification: each proposal row keeps accepted[seq] of its tokens in its KDA states."""
         if output.batch is not None:
             output.batch.rollback(accepted)

@@ -4,11 +4,11 @@ The pieces' tokens go one after another, those of equal phase and length adjacen
 projection, norm and expert runs once over all of them; only the sequence mixing (convolution,
 recurrence, attention) runs per group of equal lengths (all decodes form one group), through
 `PackedLayerCache.mix`, the protocol k3.model.cache.GroupedLayerCache. Each group's cache is an
-adapter over the pool with the interface of the plain caches, so the layers need no serving code:
-- `PagedKDAState`: the `state` / `conv` of one KDA layer for B sequences are rows of the pool's KDA
-  views, one page per sequence and layer (gathered on read, written back in place on assignment; a
-  decode step updates them where they lie, `update_state`), and also written into the pages of the
-  KDA checkpoints the plan asks for.
+adapter over the pool with the interface of the plain caches, so the layers need no serving code, and a
+`mix` that runs the layer's mixing on the group's rows:
+- `PagedKDAState` (k3.serve.kda_state): the `state` / `conv` of one KDA layer for B sequences are rows of
+  the pool's KDA views, also written into the pages of the KDA checkpoints the plan asks for; for proposal
+  rows (speculative decoding) it keeps what returning them to their last accepted token needs.
 - `PagedMLALatents`: one MLA layer's latents live in each sequence's latent pages, P tokens a page;
   `append` writes the new tokens into their slots and returns every sequence's latents padded to the
   longest, with the mask that hides the padding and keeps attention causal.
@@ -21,66 +21,11 @@ import torch
 
 from k3.config import K3Config
 from k3.model.cache import GroupedLayerCache, causal_mask
-from k3.serve.plan import DecodeRow, PrefillPiece, VerifyRow
+from k3.serve.kda_state import PagedKDAState
+from k3.serve.plan import DecodeRow, PrefillPiece, ProposalRow
 from k3.serve.pool import PagePool
-from k3.spec.rollback import VerifyKDAState
 
-Piece = PrefillPiece | DecodeRow | VerifyRow
-
-
-class PagedKDAState:
-    """KDALayerCache's interface for one KDA layer of B sequences; rows (B,) index the pool's pages.
-
-    checkpoint = (which, pages): also write rows `which` of every new state into those pages, the state
-    at this point of the forward, which fills the prefix cache's reserved checkpoint without another pass.
-    """
-
-    def __init__(self, pool: PagePool, rows: torch.Tensor,
-                 checkpoint: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 progression: tuple[int, int] | None = None):  # fmt: skip
-        self.pool, self.rows, self.checkpoint = pool, rows, checkpoint
-        # (first, step) when rows = first + step·i (one sequence, or requests admitted together): the
-        # rows are then a strided view of the pool, updated with no index at all
-        self.progression = progression
-
-    @property
-    def state(self) -> torch.Tensor:  # (B, H, K, V)
-        return self.pool.kda_states()[self.rows]
-
-    @state.setter
-    def state(self, value: torch.Tensor) -> None:
-        self._write(self.pool.kda_states(), value)
-
-    @property
-    def conv(self) -> torch.Tensor:  # (B, 2HK + HV, kernel − 1)
-        return self.pool.kda_conv()[self.rows]
-
-    @conv.setter
-    def conv(self, value: torch.Tensor) -> None:
-        self._write(self.pool.kda_conv(), value)
-
-    def update_state(self, step: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
-        """step(states, rows) updates the pool's state rows in place: rows in arithmetic progression as
-        a strided view of them (no index; fla addresses such a view by its row stride), others as the
-        pool and their row indices. Then the new states of the rows with a checkpoint are copied into
-        its pages."""
-        states = self.pool.kda_states()
-        if self.progression is not None:
-            first, stride = self.progression
-            out = step(states[first : first + stride * (len(self.rows) - 1) + 1 : stride], None)
-        else:
-            out = step(states, self.rows)
-        if self.checkpoint is not None:
-            which, pages = self.checkpoint
-            states.index_copy_(0, pages, states[self.rows[which]])
-        return out
-
-    def _write(self, view: torch.Tensor, value: torch.Tensor) -> None:
-        value = value.to(view.dtype)
-        view.index_copy_(0, self.rows, value)
-        if self.checkpoint is not None:
-            which, pages = self.checkpoint
-            view.index_copy_(0, pages, value[which])
+Piece = PrefillPiece | DecodeRow | ProposalRow
 
 
 class PagedMLALatents:
@@ -122,6 +67,9 @@ class PagedMLALatents:
         cached = cached.to(c_kv.dtype)  # (B, L, rank + rope); rows past their length are padding
         return cached[..., : self.rank], cached[..., self.rank :]
 
+    def mix(self, mix: Callable[..., torch.Tensor], *parts: torch.Tensor) -> torch.Tensor:
+        return mix(*parts, self)
+
     def attention_mask(self, T: int, device: torch.device) -> torch.Tensor | None:
         """(B, T, L): query i of sequence b sits at past_b + i and sees keys 0 … past_b + i. None for one
         sequence and one new token: it sees every key."""
@@ -151,7 +99,7 @@ class PackedLayerCache(GroupedLayerCache):
         outs = []
         for start, end, rows, sub in self.groups:
             parts = [x[:, start:end].reshape(rows, (end - start) // rows, *x.shape[2:]) for x in xs]
-            out = sub.verify(mix, *parts) if isinstance(sub, VerifyKDAState) else mix(*parts, sub)
+            out = sub.mix(mix, *parts)
             outs.append(out.reshape(1, end - start, *out.shape[2:]))
         return torch.cat(outs, dim=1)
 
@@ -160,10 +108,10 @@ class PackedBatch:
     """A plan's pieces packed for one forward: what K3Model.forward takes as `cache` (`layers`, one
     PackedLayerCache per layer, and `seq_len`), with the (1, ΣT) token ids and where to read logits.
 
-    Packed order: by (phase, num_tokens, verify), stable, so a request's later pieces follow its earlier
-    ones, decodes stay together in plan order, and verify rows form groups of their own (their KDA states
+    Packed order: by (phase, num_tokens, proposal row), stable, so a request's later pieces follow its earlier
+    ones, decodes stay together in plan order, and proposal rows form groups of their own (their KDA states
     are kept for a rollback, `rollback`). logits_at (n,): the last num_logits tokens of each sampled piece
-    (one, or all of a verify row's), in plan order, so the model's output rows are in plan.sampled's order.
+    (one, or all of a proposal row's), in plan order, so the model's output rows are in plan.sampled's order.
     """
 
     def __init__(self, pool: PagePool, config: K3Config, pieces: Sequence[Piece], rollback: str = "snapshot"):
@@ -171,7 +119,7 @@ class PackedBatch:
         device = pool.storage.device
 
         def key(p: Piece) -> tuple[int, int, bool]:
-            return p.phase, p.num_tokens, isinstance(p, VerifyRow)
+            return p.phase, p.num_tokens, isinstance(p, ProposalRow)
 
         order = sorted(range(len(pieces)), key=lambda i: key(pieces[i]))
         groups: list[list[Piece]] = []
@@ -186,13 +134,13 @@ class PackedBatch:
         last = {i: n - 1 for i, n in zip(order, accumulate(pieces[i].num_tokens for i in order), strict=True)}
         self.logits_at = torch.tensor([last[i] - p.num_logits + 1 + j for i, p in enumerate(pieces) if p.sample
                                        for j in range(p.num_logits)], device=device, dtype=torch.long)  # fmt: skip
-        self.verify_states: list[VerifyKDAState] = []
+        self.rollback_states: list[PagedKDAState] = []  # the KDA states of proposal rows, every layer
         self.layers = self._layers(config, groups, device)
 
     def rollback(self, accepted: dict) -> None:
-        """Every verify row's KDA states and conv tails (all layers) back to just after its accepted tokens:
-        accepted[seq] of its num_tokens tokens are computed (k3.spec.rollback)."""
-        for sub in self.verify_states:
+        """Every proposal row's KDA states and conv tails (all layers) back to just after its accepted tokens:
+        accepted[seq] of its num_tokens tokens are computed (k3.serve.kda_state)."""
+        for sub in self.rollback_states:
             sub.rollback(accepted)
 
     def _layers(self, config: K3Config, groups: list[list[Piece]], device: torch.device) -> list[PackedLayerCache]:
@@ -206,7 +154,7 @@ class PackedBatch:
             end = pos + len(group) * group[0].num_tokens
             per_group.append(dict(
                 range=(pos, end, len(group)),
-                verify=[p.seq for p in group] if isinstance(group[0], VerifyRow) else None,
+                proposal_seqs=[p.seq for p in group] if isinstance(group[0], ProposalRow) else None,
                 kda_rows=torch.tensor([p.state_pages for p in group], device=device).t(),  # (n_kda, rows)
                 kda_progressions=[_progression([p.state_pages[j] for p in group])
                                   for j in range(len(group[0].state_pages))],
@@ -221,17 +169,21 @@ class PackedBatch:
         layers, kda, mla = [], 0, 0
         for kind in config.layer_types:
             if kind == "kda":
-                subs = [
-                    VerifyKDAState(self.pool, g["kda_rows"][kda], g["verify"], self.rollback_mode) if g["verify"]
-                    else PagedKDAState(self.pool, g["kda_rows"][kda],
-                                       (g["checkpoint"][0], g["checkpoint"][1][kda]) if g["checkpoint"] else None,
-                                       g["kda_progressions"][kda])
-                    for g in per_group
-                ]  # fmt: skip
-                self.verify_states += [sub for sub in subs if isinstance(sub, VerifyKDAState)]
+                subs = [self._kda_state(g, kda) for g in per_group]
+                self.rollback_states += [sub for sub in subs if sub.rollback_mode is not None]
                 kda += 1
             else:
                 subs = [PagedMLALatents(self.pool, mla, **g["mla"]) for g in per_group]
                 mla += 1
             layers.append(PackedLayerCache([(*g["range"], sub) for g, sub in zip(per_group, subs, strict=True)]))
         return layers
+
+    def _kda_state(self, group: dict, kda: int) -> PagedKDAState:
+        """KDA layer `kda`'s state for one group: proposal rows in the batch's rollback mode, other rows with
+        their checkpoint pages (if any) and their rows' progression."""
+        rows = group["kda_rows"][kda]
+        if group["proposal_seqs"] is not None:
+            return PagedKDAState(self.pool, rows, rollback=self.rollback_mode, seqs=group["proposal_seqs"])
+        which_pages = group["checkpoint"]  # (rows within the group, (n_kda, ·) pages) or None
+        checkpoint = None if which_pages is None else (which_pages[0], which_pages[1][kda])
+        return PagedKDAState(self.pool, rows, checkpoint, group["kda_progressions"][kda])

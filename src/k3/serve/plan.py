@@ -70,7 +70,7 @@ class DecodeRow:
 
 
 @dataclass(frozen=True)
-class VerifyRow:
+class ProposalRow:
     """A decoding request's last token and the draft's k proposals after it (speculative decoding): k + 1
     tokens from position `start` = seq.num_tokens − 1, each one's logits returned, so the big model scores
     every proposal in this step's one forward. Its KDA states are rolled back afterwards to the last
@@ -114,14 +114,14 @@ def prefill_piece(seq: Sequence, start: int, end: int, phase: int = 0,
     )  # fmt: skip
 
 
-def decode_row(seq: Sequence, num_proposals: int = 0) -> DecodeRow | VerifyRow:
+def decode_row(seq: Sequence, num_proposals: int = 0) -> DecodeRow | ProposalRow:
     """The row decoding seq's last token (every earlier token computed); with num_proposals > 0 the
-    verify row of that token and the first num_proposals of seq.draft_token_ids."""
+    proposal row of that token and the first num_proposals of seq.draft_token_ids."""
     if seq.num_computed_tokens != seq.num_tokens - 1:
         raise ValueError(f"a decode row needs every token but the last computed, got {seq!r}")
     if num_proposals:
         tokens = (seq.last_token_id, *seq.draft_token_ids[:num_proposals])
-        return VerifyRow(seq, seq.num_tokens - 1, tokens, tuple(seq.latent_pages), tuple(seq.state_pages))
+        return ProposalRow(seq, seq.num_tokens - 1, tokens, tuple(seq.latent_pages), tuple(seq.state_pages))
     return DecodeRow(seq, seq.num_tokens - 1, (seq.last_token_id,), tuple(seq.latent_pages), tuple(seq.state_pages))
 
 
@@ -131,22 +131,22 @@ class StepPlan:
     preempted: requests the scheduler took back while planning (their pages are released)."""
 
     prefill: list[PrefillPiece] = field(default_factory=list)
-    decode: list[DecodeRow | VerifyRow] = field(default_factory=list)
+    decode: list[DecodeRow | ProposalRow] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
-    def pieces(self) -> list[PrefillPiece | DecodeRow | VerifyRow]:
+    def pieces(self) -> list[PrefillPiece | DecodeRow | ProposalRow]:
         return [*self.prefill, *self.decode]
 
     @property
-    def sampled(self) -> list[PrefillPiece | DecodeRow | VerifyRow]:
+    def sampled(self) -> list[PrefillPiece | DecodeRow | ProposalRow]:
         """The pieces whose logits the runner returns, in its output's row order: num_logits rows each
-        (the last token's; every token's of a verify row)."""
+        (the last token's; every token's of a proposal row)."""
         return [p for p in self.pieces if p.sample]
 
     @property
-    def verify(self) -> list[VerifyRow]:
-        return [p for p in self.decode if isinstance(p, VerifyRow)]
+    def proposal_rows(self) -> list[ProposalRow]:
+        return [p for p in self.decode if isinstance(p, ProposalRow)]
 
     @property
     def num_tokens(self) -> int:

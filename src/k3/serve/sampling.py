@@ -6,7 +6,7 @@ E ~ Exp(1) i.i.d. drawn from a stream keyed by (seed, n) (`position_noise`), whi
 (it is the Gumbel-max trick). Nothing else a step does consumes that stream, so a seeded request draws the
 same tokens whatever shares its batch, wherever it sits in it, after a preemption, and with or without
 speculative decoding: a draft proposes with the same E, and verification accepts a proposal exactly when
-it is the token the big model's race gives (k3.spec.verify). Unseeded requests share torch's global RNG.
+it is the token the big model's race gives (k3.serve.speculative.verify). Unseeded requests share torch's global RNG.
 
 Log-probabilities (SamplingParams.logprobs) are those of the raw model distribution, log_softmax of the
 logits before temperature, top-k and top-p, as vLLM's default: they say what the model thinks of each
@@ -196,7 +196,7 @@ def request_probs(logits_SV: torch.Tensor, params_S: list[SamplingParams],
     V = logits_SV.shape[1]
     device = logits_SV.device
     dtype = dtype or torch.promote_types(logits_SV.dtype, torch.float32)
-    # greedy rows (a verify row's, here) are scaled by 1: their distribution is never drawn from
+    # greedy rows (a proposal row's, here) are scaled by 1: their distribution is never drawn from
     temperature_S = torch.tensor([max(p.temperature, SAMPLING_EPS) for p in params_S], dtype=dtype, device=device)
     # clamped in Python: a top_k of 2**63 is a valid "keep everything", but no int64 tensor holds it
     top_k_S = torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params_S], device=device)

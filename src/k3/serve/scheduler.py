@@ -186,15 +186,15 @@ class Scheduler:
         """After the plan's forward: advance each request's progress (the only place that does), commit the
         checkpoints the forward filled, and register the latent units that are now full.
 
-        accepted: for each verify row's request, the new tokens verification gave it (accepted proposals
+        accepted: for each proposal row's request, the new tokens verification gave it (accepted proposals
         + 1): its last token and the accepted proposals are computed, the rejected ones are not, and the
         latent pages past the next token's slot (the rejected proposals') go back to the pool."""
         for piece in plan.pieces:
             piece.seq.num_computed_tokens = piece.end
-        for row in plan.verify:
+        for row in plan.proposal_rows:
             seq, n = row.seq, (accepted or {}).get(row.seq)
             if n is None or not 1 <= n <= row.num_tokens:
-                raise ValueError(f"verify row of {seq!r} needs 1 … {row.num_tokens} accepted tokens, got {n}")
+                raise ValueError(f"proposal row of {seq!r} needs 1 … {row.num_tokens} accepted tokens, got {n}")
             seq.num_computed_tokens = row.start + n
             keep = self.layout.latent_pages(seq.num_computed_tokens + 1)
             if len(seq.latent_pages) > keep:

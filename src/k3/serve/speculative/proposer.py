@@ -6,7 +6,7 @@ requests propose the draft's argmax. Sampled ones use the draft's distribution q
 temperature, top-k and top-p: a seeded request proposes the race winner argmax q / E with its own noise
 for each position (k3.serve.sampling.position_noise; verification then compares race winners), an
 unseeded one draws from q with torch's global RNG and keeps q for rejection sampling. The proposals and q
-are stored on the Sequence, which the scheduler reads when it plans the verify row.
+are stored on the Sequence, which the scheduler reads when it plans the proposal row.
 """
 
 import torch

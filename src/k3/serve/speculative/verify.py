@@ -61,7 +61,7 @@ def accept_sampled(p_KV: torch.Tensor, q_KV: torch.Tensor, proposals_K: list[int
 def verify(big_logits_KV: torch.Tensor, proposals_K: list[int], params: SamplingParams, position: int,
            draft_probs_KV: torch.Tensor | None = None, eos_token_id: int | None = None,
            best: list[int] | None = None) -> list[int]:  # fmt: skip
-    """One verify row: the big model's logits (K+1, V) at its positions -> the tokens it emits, cut after
+    """One proposal row: the big model's logits (K+1, V) at its positions -> the tokens it emits, cut after
     the first one that ends the request (eos unless ignore_eos, a stop token id): nothing after it exists.
     position: the output position of the first of them (a seeded request's noise is keyed by it);
     draft_probs: the draft distributions an unseeded sampled request's proposals were drawn from;

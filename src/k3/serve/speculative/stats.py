@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SpecStats:
-    """verify_steps: verify rows run; proposed / accepted: proposals verified and accepted; per position j
+    """verify_steps: proposal rows run; proposed / accepted: proposals verified and accepted; per position j
     (0-based), proposed_at[j] / accepted_at[j]. A verify step emits accepted + 1 tokens."""
 
     verify_steps: int = 0
