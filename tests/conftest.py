@@ -2,6 +2,7 @@
 in-process and one in a subprocess must reduce in the same order to agree bitwise)."""
 
 import faulthandler
+import signal
 
 import pytest
 import torch
@@ -23,3 +24,15 @@ def bounded():
     faulthandler.dump_traceback_later(300, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture
+def sigint_default():
+    """For tests of Ctrl-C: SIGINT raises KeyboardInterrupt in this process for the test's duration, and child
+    processes start with SIGINT's default, whatever pytest was started with. A shell starts a background command
+    of a script (`pytest &`, `nohup pytest &`) with SIGINT ignored, Python then leaves it ignored, and a child
+    inherits an ignored signal; a handled one is reset to its default at exec, so Python's handler here is also
+    what the children need."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

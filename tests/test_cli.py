@@ -148,7 +148,7 @@ def test_tensorboard_when_asked_for_and_missing_is_a_clear_error(tmp_path, small
     assert not (tmp_path / "r").exists()
 
 
-def test_ctrl_c_in_train_says_where_and_how_to_resume(tmp_path, small_corpus):
+def test_ctrl_c_in_train_says_where_and_how_to_resume(tmp_path, small_corpus, sigint_default):
     import shlex
     import signal
     import subprocess

@@ -89,7 +89,7 @@ def test_streams_read_alternately_lose_no_text(llm):
     assert_pool_free(llm)
 
 
-def test_ctrl_c_inside_generate_frees_every_request(llm):
+def test_ctrl_c_inside_generate_frees_every_request(llm, sigint_default):
     """A real SIGINT to the main thread while generate() waits: KeyboardInterrupt comes out of generate, and
     neither its requests nor their pages stay in the engine; the next generate works."""
     want = llm.generate("import os", GREEDY40)[0].text
