@@ -128,12 +128,12 @@ def test_a_meta_json_of_the_wrong_shape_is_one_line_in_train_and_params(tmp_path
 
 def test_a_read_only_run_folder_is_one_line(tmp_path, small_corpus, capsys, monkeypatch):
     """Running as root, chmod does not stop a write; the OSError a read-only folder raises is raised instead."""
-    import k3.train.trainer as trainer
+    import k3.formats.run_folder as run_folder
 
     def refuse(run, record):
         raise PermissionError(13, "Permission denied", str(run / "run.json"))
 
-    monkeypatch.setattr(trainer, "write_record", refuse)
+    monkeypatch.setattr(run_folder, "write_record", refuse)
     assert main(["train", *TINY_TRAIN, "--steps", "1", "--data", str(small_corpus), "--out", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err == f"k3 train: {tmp_path / 'r' / 'run.json'}: Permission denied\n"
 

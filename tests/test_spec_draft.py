@@ -59,15 +59,60 @@ def test_proposing_equals_the_training_unroll(mode):
     assert not any(n.startswith(("embed", "lm_head")) for n in draft.state_dict())  # shared, never saved
 
 
-def test_training_for_acceptance_raises_the_acceptance():
+def _draft_config(out, **changes) -> DraftTrainConfig:
+    values = dict(objective="alpha", steps=30, lr=3e-3, num_speculative_tokens=3, prompt_tokens=8, new_tokens=22)
+    values |= dict(batch_sequences=4, starts_per_sequence=8, ckpt="unused", progress=False)
+    return DraftTrainConfig(out=str(out), **{**values, **changes})
+
+
+def test_training_for_acceptance_raises_the_acceptance(tmp_path):
     model = tiny_model(seed=4).float()
     data = torch.randint(0, 500, (12, 30))
-    cfg = DraftTrainConfig(objective="alpha", steps=30, lr=3e-3, num_speculative_tokens=3, prompt_tokens=8,
-                           new_tokens=22, batch_sequences=4, starts_per_sequence=8)  # fmt: skip
+    cfg = _draft_config(tmp_path / "draft")
     before = evaluate(model, DraftModel(model.config, num_speculative_tokens=3).attach(model), data[8:], 8)
     _, report = train_draft(model, data[:8], data[8:], cfg, log=lambda s: None)
     assert report["steps"] == 30 and len(report["alpha_at"]) == 3
     assert report["tokens_per_step_sampled"] > before["tokens_per_step_sampled"]
+
+
+def test_an_interrupted_draft_training_resumes_to_the_unbroken_one(tmp_path, monkeypatch):
+    """As every training loop: checkpoints every --ckpt-every steps, and --resume continues from the newest
+    to the same losses and the same draft, bitwise (no time limit in reach)."""
+    import k3.spec.train_draft as train_draft_module
+
+    model = tiny_model(seed=4).float()
+    data = torch.randint(0, 500, (12, 30))
+    config = dict(steps=5, ckpt_every=2, time_limit_s=1e9)
+
+    def quiet(message: str) -> None:
+        pass
+
+    whole, _ = train_draft(model, data[:8], data[8:], _draft_config(tmp_path / "whole", **config), log=quiet)
+    losses = train_draft_module.step_losses
+    calls = []
+
+    def interrupted_at_step_4(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return losses(*args)
+
+    monkeypatch.setattr(train_draft_module, "step_losses", interrupted_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(model, data[:8], data[8:], _draft_config(tmp_path / "broken", **config), log=quiet)
+    monkeypatch.setattr(train_draft_module, "step_losses", losses)
+    resumed, _ = train_draft(
+        model, data[:8], data[8:], _draft_config(tmp_path / "broken", resume=True, **config), quiet
+    )
+
+    def logged(run):  # step -> loss as the run finally went (a resumed step's line replaces the first)
+        return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+    assert logged(tmp_path / "broken") == logged(tmp_path / "whole") and len(logged(tmp_path / "whole")) == 5
+    for a, b in zip(whole.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"--lr: the run recorded 0\.003, now 0\.002"):
+        train_draft(model, data[:8], data[8:], _draft_config(tmp_path / "broken", resume=True, lr=2e-3, **config))
 
 
 def test_draft_folder_round_trip_and_errors(tmp_path):

@@ -25,11 +25,51 @@ def test_train_writes_a_loadable_vision_run(vl_run, capsys):
     meta = json.loads(next(vl_run.glob("step_*/meta.json")).read_text())
     assert meta["config"]["vision_config"]["vt_num_hidden_layers"] == 4
     assert main(["train", "--preset", "small-vl", "--steps", "2", "--out", str(vl_run), "--no-progress"]) == 2
-    assert "already holds a run" in capsys.readouterr().err
+    assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", [["--expert-optimizer", "adamw"], ["--qat", "mxfp4"], ["--balancer", "fixed"],
-                                  ["--grad-accum", "2"], ["--resume"]])  # fmt: skip
+def test_an_interrupted_vision_run_resumes_to_the_unbroken_one(tmp_path, monkeypatch, capsys):
+    """Interrupted after step 2 of 4, then `--resume`: every step's loss and the last validation loss are the
+    unbroken run's, bitwise; a changed flag is refused as in `k3 train`."""
+    from k3.train.vision_trainer import VisionTrainer
+
+    flags = ["--preset", "small-vl", "--steps", "4", "--ckpt-every", "2", "--batch-size", "2", "--eval-every", "2"]
+    flags += ["--eval-batches", "1", "--no-progress"]
+
+    def argv(out, *more):
+        return ["train", *flags, "--out", str(out), *more]
+
+    assert main(argv(tmp_path / "whole")) == 0
+    step = VisionTrainer._step
+
+    def interrupted_after_2(self):
+        if self.step == 2:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(VisionTrainer, "_step", interrupted_after_2)
+    assert main(argv(tmp_path / "broken")) == 130
+    assert "resume with: k3 train " in capsys.readouterr().err
+    monkeypatch.setattr(VisionTrainer, "_step", step)
+    assert main(argv(tmp_path / "broken", "--lr", "0.001", "--resume")) == 2
+    assert "--lr: the run recorded 0.003, now 0.001" in capsys.readouterr().err
+    assert main(argv(tmp_path / "broken", "--resume")) == 0
+    assert "resumed from" in capsys.readouterr().out
+
+    def logged(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    whole, broken = logged(tmp_path / "whole"), logged(tmp_path / "broken")
+    assert [(r["step"], r["loss"], r.get("val_loss")) for r in broken] == [
+        (r["step"], r["loss"], r.get("val_loss")) for r in whole
+    ]
+    assert [p.name for p in (tmp_path / "broken").glob("step_*")] == ["step_00000004"]
+
+
+REFUSED = [["--expert-optimizer", "adamw"], ["--qat", "mxfp4"], ["--balancer", "fixed"], ["--grad-accum", "2"]]
+
+
+@pytest.mark.parametrize("flag", [*REFUSED, ["--data", "somewhere"]])
 def test_flags_the_image_text_trainer_does_not_apply_are_refused(tmp_path, capsys, flag):
     out = tmp_path / "run"
     assert main(["train", "--preset", "small-vl", "--steps", "1", "--out", str(out), "--no-progress", *flag]) == 2

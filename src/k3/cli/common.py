@@ -36,16 +36,10 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: stdout's reader went away (`k3 generate
 
 def _interrupted(command: str, run, rerun) -> int:
     """Ctrl-C in a training-like command (train, quickstart, distill): where the run stood and the command that
-    continues it; exit status 130 as a shell reports. run: the Trainer or Distiller (`step`, `saved_step`, the
-    run folder `run`), None before it existed; rerun(resume) -> the command line to suggest."""
-    from k3.formats.checkpoint import step_dirs
-
+    continues it; exit status 130 as a shell reports. run: the training loop (its `step` and its RunFolder
+    `folder`), None before it existed; rerun(resume) -> the command line to suggest."""
     step = 0 if run is None else run.step
-    saved = None if run is None else run.saved_step
-    if run is not None:
-        # Ctrl-C can land after a checkpoint's folder is renamed into place but before the run notes it
-        on_disk = [int(p.name.rsplit("_", 1)[1]) for p in step_dirs(run.run)]
-        saved = max([s for s in (saved, *on_disk) if s is not None], default=None)
+    saved = None if run is None else run.folder.newest_saved()
     if saved is None:
         print(f"\nk3 {command}: interrupted at step {step}, before the first checkpoint; start again with: "
               f"{rerun(False)}", file=sys.stderr)  # fmt: skip

@@ -9,7 +9,7 @@ from k3.cli.generation import cmd_eval, cmd_generate
 from k3.cli.info import cmd_env, cmd_params
 from k3.cli.spec import add_train_draft_parser
 from k3.cli.tools import _add_serve_parser, cmd_demo, cmd_export, cmd_plot
-from k3.cli.training import QUICKSTART_STEPS, _add_train_flags, cmd_init, cmd_quickstart, cmd_train
+from k3.cli.training import QUICKSTART_DEFAULTS, _add_train_flags, cmd_init, cmd_quickstart, cmd_train
 from k3.config import PRESETS
 from k3.model.params import DEFAULT_CONTEXT
 
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     quick = sub.add_parser("quickstart", help="train a small K3 for a few minutes, sample from it, plot the run")
-    _add_train_flags(quick, out="runs/quickstart", steps=QUICKSTART_STEPS, eval_every=25, ckpt_every=50)
+    _add_train_flags(quick, **QUICKSTART_DEFAULTS)
     quick.add_argument("--sample-tokens", type=int, default=120,
                        help="tokens sampled, and generated per served request (default: %(default)s)")  # fmt: skip
     quick.set_defaults(func=cmd_quickstart)

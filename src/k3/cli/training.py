@@ -1,7 +1,6 @@
 """`k3 train`, `k3 init` and `k3 quickstart`: the flags of a run, interruption, and what to run next."""
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -11,9 +10,11 @@ import torch
 
 from k3.cli.common import EXIT_INTERRUPTED, RUN_ERRORS, _interrupted, _run_error, _sampling
 from k3.config import PRESETS, K3Config
+from k3.formats.run_args import add_flags, command_line
 
 QUICKSTART_PROMPT = "def fibonacci(n):\n"
 QUICKSTART_STEPS = 120
+QUICKSTART_DEFAULTS = {"out": "runs/quickstart", "steps": QUICKSTART_STEPS, "eval_every": 25, "ckpt_every": 50}
 
 
 def next_generate(run: str | Path) -> str:
@@ -24,44 +25,28 @@ def next_generate(run: str | Path) -> str:
     return f"k3 generate --ckpt {shlex.quote(str(run))} --max-tokens 200 --stream $'import os\\n'"
 
 
-def _train_args(args: argparse.Namespace, **overrides):
+def _train_args(args: argparse.Namespace, **changes):
+    """The TrainArgs of a parsed `k3 train`/`k3 quickstart` line, with `changes` to its values."""
     from k3.train.trainer import TrainArgs
 
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainArgs) if hasattr(args, f.name)}
-    return TrainArgs(**{**values, **overrides})
+    return TrainArgs.from_flags(args, **changes)
 
 
-def _flags(args: argparse.Namespace, **changes) -> list[str]:
-    """The flags of a `k3 train`/`k3 quickstart` line that differ from the defaults, with `changes` to their
-    values (--resume and --override left out)."""
-    from k3.train.trainer import TrainArgs
-
-    defaults = vars(_parser().parse_args([args.command, "--out", args.out]))
-    parts = []
-    for f in dataclasses.fields(TrainArgs):
-        value = changes.get(f.name, getattr(args, f.name))
-        if f.name in ("resume", "override") or (f.name != "out" and value == defaults[f.name]):
-            continue
-        if f.name == "progress":
-            parts.append("--no-progress")
-        elif isinstance(value, bool):
-            if value:
-                parts.append("--" + f.name.replace("_", "-"))
-        else:
-            parts += ["--" + f.name.replace("_", "-"), str(value)]
-    return parts
+def _defaults(args: argparse.Namespace) -> dict:
+    """The defaults the command's parser gave the TrainArgs fields that it changes (add_flags)."""
+    return QUICKSTART_DEFAULTS if args.command == "quickstart" else {}
 
 
-def _rerun_command(args: argparse.Namespace, resume: bool, **changes) -> str:
+def _rerun_command(args: argparse.Namespace, train_args, resume: bool, **changes) -> str:
     """The `k3 train`/`k3 quickstart` line that repeats this one (flags that differ from the defaults), with
-    `changes` to its values."""
+    `changes` to its values; --override left out (run.json now records what it accepted)."""
     import shlex
 
-    parts = ["k3", args.command, *map(shlex.quote, _flags(args, **changes))]
+    resume = resume and args.command == "train"  # k3 quickstart resumes by itself
+    flags = command_line(train_args, _defaults(args), resume=resume, override=False, **changes)
+    parts = ["k3", args.command, *map(shlex.quote, flags)]
     if getattr(args, "nproc", 1) > 1:
         parts += ["--nproc", str(args.nproc)]
-    if resume and args.command == "train":
-        parts.append("--resume")
     return " ".join(parts)
 
 
@@ -70,17 +55,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     (outside torchrun) the same command runs on N processes through torchrun (k3.train.distributed)."""
     from k3.train.distributed import launch, launched_by_torchrun
 
+    try:
+        train_args = _train_args(args)
+    except RUN_ERRORS as e:
+        return _run_error("train", e)
     if PRESETS[args.preset].get("vision_config") is not None:
-        return _train_vision(args)
+        return _train_vision(args, train_args)
     if getattr(args, "nproc", 1) != 1 and not launched_by_torchrun():
         try:
-            _check_launch(args)  # a mistake is one line here, not one per rank
-            argv = [*_flags(args), *(["--resume"] if args.resume else []), *(["--override"] if args.override else [])]
-            return launch(args.nproc, argv)
+            _check_launch(args, train_args)  # a mistake is one line here, not one per rank
+            return launch(args.nproc, command_line(train_args))
         except RUN_ERRORS as e:
             return _run_error("train", e)
     if launched_by_torchrun():
-        return _train_rank(args)
+        return _train_rank(args, train_args)
     if getattr(args, "ep", 1) != 1:
         return _run_error("train", ValueError(f"--ep {args.ep} splits the experts over processes: add --nproc N "
                                               f"(a multiple of {args.ep}) or run under torchrun"))  # fmt: skip
@@ -88,27 +76,31 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     trainer = None
     try:
-        trainer = Trainer(_train_args(args))
+        trainer = Trainer(train_args)
         summary = trainer.train()
     except KeyboardInterrupt:
-        return _interrupted("train", trainer, lambda resume: _rerun_command(args, resume))
+        return _interrupted("train", trainer, lambda resume: _rerun_command(args, train_args, resume))
     except RUN_ERRORS as e:
         return _run_error("train", e)
-    _print_next(args, summary)
+    _print_next(args, train_args, summary)
     return 0
 
 
-def _train_vision(args: argparse.Namespace) -> int:
+def _train_vision(args: argparse.Namespace, train_args) -> int:
     """A vision preset (small-vl): the tower, projector and LM trained from scratch on generated images
     (k3.train.vision_trainer); one process."""
     import shlex
 
-    from k3.train.vision_trainer import train_vision
+    from k3.train.vision_trainer import VisionTrainer
 
+    trainer = None
     try:
         if getattr(args, "nproc", 1) != 1:
             raise ValueError(f"--preset {args.preset} trains in one process; drop --nproc")
-        summary = train_vision(_train_args(args))
+        trainer = VisionTrainer(train_args)
+        summary = trainer.train()
+    except KeyboardInterrupt:
+        return _interrupted("train", trainer, lambda resume: _rerun_command(args, train_args, resume))
     except RUN_ERRORS as e:
         return _run_error("train", e)
     print(json.dumps({k: summary[k] for k in ("step", "loss", "val_loss", "seconds")}))
@@ -116,20 +108,19 @@ def _train_vision(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_launch(args: argparse.Namespace) -> None:
-    """What every rank would refuse, checked once before torchrun starts them."""
+def _check_launch(args: argparse.Namespace, train_args) -> None:
+    """What every rank would refuse, checked once before torchrun starts them (TrainArgs checked its values)."""
     from k3.train.distributed import Parallel
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
-    _train_args(args)
-    Parallel(0, args.nproc, args.ep, args.dp)
+    Parallel(0, args.nproc, train_args.ep, train_args.dp)
     if args.batch_size % args.nproc:
         raise ValueError(f"--batch-size {args.batch_size} must be a multiple of --nproc {args.nproc}: each process "
                          f"takes an equal share of every micro-batch")  # fmt: skip
 
 
-def _train_rank(args: argparse.Namespace) -> int:
+def _train_rank(args: argparse.Namespace, train_args) -> int:
     """One process of a torchrun launch: rank 0 prints as `k3 train` does; every rank logs to its own file in
     <out>/logs/; a rank whose peer died says so and exits 1 (torchrun then stops the rest and reports)."""
     from k3.train.distributed import PeerFailure, RankLog, Stopped, init_parallel, shutdown, stop_on_sigterm
@@ -141,19 +132,18 @@ def _train_rank(args: argparse.Namespace) -> int:
         parallel = init_parallel(args.dp, args.ep)
         args.nproc = parallel.world_size  # for the commands suggested (a --nproc here would confuse torchrun)
         log = RankLog(parallel.rank)
-        trainer = Trainer(_train_args(args), log=log, parallel=parallel)
+        trainer = Trainer(train_args, log=log, parallel=parallel)
         summary = trainer.train()
         finished = True
     except KeyboardInterrupt:
-        return (
-            _interrupted("train", trainer, lambda resume: _rerun_command(args, resume))
-            if rank == "0"
-            else EXIT_INTERRUPTED
-        )
+        if rank != "0":
+            return EXIT_INTERRUPTED
+        return _interrupted("train", trainer, lambda resume: _rerun_command(args, train_args, resume))
     except (PeerFailure, Stopped) as e:
-        saved = None if trainer is None else trainer.saved_step
+        saved = None if trainer is None else trainer.folder.saved_step
         where = "before the first checkpoint" if saved is None else f"the last checkpoint is step {saved}"
-        message = f"k3 train (rank {rank}): stopping: {e}; {where}; resume with: {_rerun_command(args, resume=True)}"
+        rerun = _rerun_command(args, train_args, resume=True)
+        message = f"k3 train (rank {rank}): stopping: {e}; {where}; resume with: {rerun}"
         print(message, file=sys.stderr, flush=True)
         if log is not None:
             log(message)
@@ -165,18 +155,18 @@ def _train_rank(args: argparse.Namespace) -> int:
             log.close()
         shutdown(finished)
     if rank == "0":
-        _print_next(args, summary)
+        _print_next(args, train_args, summary)
     return 0
 
 
-def _print_next(args: argparse.Namespace, summary) -> None:
+def _print_next(args: argparse.Namespace, train_args, summary) -> None:
     print(json.dumps({k: v for k, v in summary.items() if k != "maxvio"}))
     import shlex
 
     out, model = shlex.quote(args.out), shlex.quote(args.out.rstrip("/") + "-model")
     print(f"\nnext:\n  {next_generate(args.out)}\n"
           f"  k3 plot {out}    # loss.png and maxvio.png in the run folder\n"
-          f"  {_rerun_command(args, resume=True, steps=2 * args.steps)}    # train twice as long\n"
+          f"  {_rerun_command(args, train_args, resume=True, steps=2 * args.steps)}    # train twice as long\n"
           f"  k3 export --ckpt {out} --out {model}    # a model folder for k3, vLLM or SGLang")  # fmt: skip
 
 
@@ -218,9 +208,10 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     out = Path(args.out)
     print(f"k3 quickstart: training the small K3 preset for {args.steps} steps on the Python standard library's "
           f"source ({args.batch_size} × {args.seq_len} tokens per step), writing to {out}/")  # fmt: skip
-    trainer = None
+    trainer = train_args = None
     try:
-        trainer = Trainer(_train_args(args, resume=out.is_dir() and bool(step_dirs(out))))
+        train_args = _train_args(args, resume=out.is_dir() and bool(step_dirs(out)))
+        trainer = Trainer(train_args)
         n = sum(p.numel() for p in trainer.model.parameters())
         print(f"model: {n / 1e6:.1f}M parameters, {trainer.config.num_hidden_layers} layers "
               f"({trainer.config.layer_types.count('kda')} KDA + {trainer.config.layer_types.count('mla')} MLA), "
@@ -228,7 +219,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         summary = trainer.train()
         llm = LLM(str(out), memory_budget=64 << 20)
     except KeyboardInterrupt:
-        return _interrupted("quickstart", trainer, lambda resume: _rerun_command(args, resume))
+        return _interrupted("quickstart", trainer, lambda resume: _rerun_command(args, train_args, resume))
     except RUN_ERRORS as e:
         return _run_error("quickstart", e)
     print(f"\nvalidation loss: {summary['val_loss']:.3f} nats/token after {trainer.step} steps")
@@ -266,40 +257,8 @@ def _serve_demo(llm, max_tokens: int, requests: int = 8) -> None:
     print(llm.engine.describe().splitlines()[0])
 
 
-TRAIN_CHOICES = {
-    "preset": sorted(PRESETS),
-    "schedule": ["cosine", "wsd"],
-    "balancer": ["quantile", "fixed", "none"],
-    "expert_optimizer": ["muon", "muon-active", "adamw"],
-    "dp": ["ddp", "fsdp"],
-}
-
-
 def _add_train_flags(p: argparse.ArgumentParser, **defaults) -> None:
-    """One flag per TrainArgs field, its help line from the field's metadata with the default shown."""
+    """One flag per TrainArgs field (k3.formats.run_args.add_flags): help, default and choices from the field."""
     from k3.train.trainer import TrainArgs
 
-    for f in dataclasses.fields(TrainArgs):
-        default = defaults.get(f.name, f.default)
-        flag = "--" + f.name.replace("_", "-")
-        text = f.metadata["help"].replace("%", "%%")
-        if f.name == "progress":
-            p.add_argument("--no-progress", dest="progress", action="store_false", default=default,
-                           help="no progress bar (default: a progress bar on stderr)")  # fmt: skip
-        elif f.type is bool:
-            p.add_argument(flag, action="store_true", default=default, help=f"{text} (default: off)")
-        elif default is dataclasses.MISSING:
-            p.add_argument(flag, required=True, help=f"{text} (required)")
-        else:
-            kind = f.type if f.type in (int, float) else str
-            shown = " (default: %(default)s)" if default is not None else ""
-            shown = shown or ("" if "default" in text else " (default: none)")
-            p.add_argument(flag, type=kind, default=default, help=text + shown,
-                           **({"choices": TRAIN_CHOICES[f.name]} if f.name in TRAIN_CHOICES else {}))  # fmt: skip
-
-
-def _parser():
-    """The full parser (imported here: the parser module imports this one)."""
-    from k3.cli.parser import build_parser
-
-    return build_parser()
+    add_flags(p, TrainArgs, **defaults)

@@ -10,88 +10,86 @@ to the longest row, go through the student (with gradients) and through each row
 `--objective sft` is the baseline the evaluation compares with: cross-entropy on the document's own
 continuation of the same prompts (no teacher, no sampling), the same steps and tokens.
 
-The output folder is a run folder (tokenizer.json, metrics.jsonl, step_*/ checkpoints) that k3 generate,
-k3 eval, k3 export, k3 train --init-from and another k3 distill --student read. --resume continues from its
-newest checkpoint and reproduces the losses of an unbroken run: the sampler's weights are those of the
+The output folder is a run folder (k3.formats.run_folder: run.json, tokenizer.json, metrics.jsonl, step_*/
+checkpoints) that k3 generate, k3 eval, k3 export, k3 train --init-from and another k3 distill --student
+read. --resume continues from its newest checkpoint, with the flags run.json recorded (others are refused
+unless --override), and reproduces the losses of an unbroken run: the sampler's weights are those of the
 checkpoint's step when it refreshed then, and otherwise are saved beside it (extra.safetensors).
 """
 
-import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from k3.data.domains import DOMAINS, DomainError, parse_domains
 from k3.distill.loss import reverse_kl
 from k3.distill.prompts import DomainPrompts, Prompt
 from k3.distill.sampler import OnPolicySampler
 from k3.distill.teachers import TeacherError, TeacherSpec, load_teacher, route
-from k3.formats.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, step_dirs
-from k3.formats.files import append_line, atomic_write, clean_stale_temp, latest_timeline, read_jsonl, repair_torn_tail
+from k3.formats.checkpoint import CheckpointError
+from k3.formats.files import atomic_write
+from k3.formats.run_args import RunArgs, arg
+from k3.formats.run_folder import TOKENIZER, RunFolder
+from k3.formats.run_record import RunRecord
 from k3.formats.tokenizer import K3Tokenizer
 from k3.model import K3Model
 from k3.train.balance import QuantileBalancer
 from k3.train.corpus import load_corpus
-from k3.train.optim import build_optimizer, lr_at, set_lr_factor
-from k3.train.trainer import (
-    _arg,  # a flag field: its help is the CLI's
-    device,
-)
+from k3.train.optim import SCHEDULES, build_optimizer, hyperparameters_kept, lr_at, set_lr_factor
+from k3.train.trainer import device
 
 OBJECTIVES = ("reverse-kl", "sft")
 SAMPLER_PREFIX = "sampler/"  # the sampler's weights in extra.safetensors when they are not the checkpoint's own
-KEPT_AS_GIVEN = ("out", "steps", "ckpt_every", "keep_last", "resume", "progress")  # not compared on --resume
 
 
-@dataclass
-class DistillArgs:
-    student: str = field(metadata={"help": "the student to start from: a run, step or model folder"})
-    out: str = field(metadata={"help": "the folder to write: tokenizer.json, metrics.jsonl, step_*/ checkpoints"})
-    teacher: list[str] | None = field(default=None, metadata={"help": "NAME=CKPT, repeatable: the teacher of a "
-                                      "domain (NAME: a domain, domains joined with +, or all)"})  # fmt: skip
-    mix: str | None = _arg(None, "domain weights DOMAIN=W,... (default: every domain a teacher owns, equally)")
-    objective: str = _arg("reverse-kl", "reverse-kl (on-policy distillation) or sft (the baseline: cross-entropy "
-                          "on the documents' own continuations, no teacher)")  # fmt: skip
-    steps: int = _arg(100, "optimiser steps in all (with --resume: raise it to continue a finished run)")
-    batch_size: int = _arg(8, "samples (prompts) per step")
-    prompt_tokens: int = _arg(32, "tokens of a corpus domain's prompt (a reasoning prompt is its question)")
-    max_new_tokens: int = _arg(48, "tokens sampled per prompt at most")
-    temperature: float = _arg(1.0, "the sampling temperature of the student's continuations")
-    refresh_every: int = _arg(1, "steps between loading the student's current weights into the sampler")
-    lr: float = _arg(1e-3, "peak learning rate")
-    min_lr_ratio: float = _arg(0.1, "final lr as a fraction of the peak")
-    warmup: int = _arg(5, "linear warmup steps")
-    schedule: str = _arg("cosine", "lr decay after warmup: cosine or wsd")
-    weight_decay: float = _arg(0.1, "decoupled weight decay of the matrices")
-    clip: float = _arg(1.0, "gradient-norm clipping threshold")
-    seed: int = _arg(0, "seed of the domain draws, prompts and samples")
-    ckpt_every: int = _arg(50, "steps between checkpoints (the last step is always saved)")
-    keep_last: int = _arg(1, "checkpoints kept (0 keeps all)")
-    resume: bool = _arg(False, "continue from --out's newest checkpoint")
-    progress: bool = _arg(True, "show a progress bar")
+@dataclass(kw_only=True)
+class DistillArgs(RunArgs):
+    """`k3 distill`'s flags (the run folder's own, from RunArgs, first); run.json records all but those."""
+
+    out: str = arg(help="the run folder: run.json, tokenizer.json, metrics.jsonl, step_*/ checkpoints", recorded=False)
+    steps: int = arg(100, "optimiser steps in all (with --resume: raise it to continue a finished run)", recorded=False)
+    seed: int = arg(0, "seed of the domain draws, prompts and samples")
+    ckpt_every: int = arg(50, "steps between checkpoints (the last step is always saved)", recorded=False)
+    student: str = arg(help="the student to start from: a run, step or model folder", path=True)
+    teacher: list[str] | None = arg(
+        None,
+        "NAME=CKPT, repeatable: the teacher of a domain (NAME: a domain, domains joined with +, or all)",
+        metavar="NAME=CKPT",
+    )
+    mix: str | None = arg(None, "domain weights DOMAIN=W,... (default: every domain a teacher owns, equally)")
+    objective: str = arg(
+        "reverse-kl",
+        "reverse-kl (on-policy distillation) or sft (the baseline: cross-entropy on the documents' own "
+        "continuations, no teacher)",
+        choices=OBJECTIVES,
+    )
+    batch_size: int = arg(8, "samples (prompts) per step")
+    prompt_tokens: int = arg(32, "tokens of a corpus domain's prompt (a reasoning prompt is its question)")
+    max_new_tokens: int = arg(48, "tokens sampled per prompt at most")
+    temperature: float = arg(1.0, "the sampling temperature of the student's continuations")
+    refresh_every: int = arg(1, "steps between loading the student's current weights into the sampler")
+    lr: float = arg(1e-3, "peak learning rate")
+    min_lr_ratio: float = arg(0.1, "final lr as a fraction of the peak")
+    warmup: int = arg(5, "linear warmup steps")
+    schedule: str = arg("cosine", "lr decay after warmup: cosine or wsd", choices=SCHEDULES)
+    weight_decay: float = arg(0.1, "decoupled weight decay of the matrices")
+    clip: float = arg(1.0, "gradient-norm clipping threshold")
 
     def __post_init__(self) -> None:
         self.teacher = list(self.teacher or [])
-        for name in ("steps", "batch_size", "prompt_tokens", "max_new_tokens", "refresh_every", "ckpt_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("warmup", "keep_last", "weight_decay"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(self, name)}")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        if self.schedule not in ("cosine", "wsd"):
-            raise ValueError(f"--schedule must be cosine or wsd, got {self.schedule!r}")
+        super().__post_init__()
+        self.at_least(1, "batch_size", "prompt_tokens", "max_new_tokens", "refresh_every")
+        self.at_least(0, "warmup", "weight_decay")
         if not (self.lr > 0 and self.clip > 0 and self.temperature > 0):
-            raise ValueError(f"--lr, --clip and --temperature must be positive, got {self.lr}, {self.clip}, "
-                             f"{self.temperature}")  # fmt: skip
+            raise ValueError(
+                f"--lr, --clip and --temperature must be positive, got {self.lr}, {self.clip}, {self.temperature}"
+            )
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"--min-lr-ratio must be between 0 and 1, got {self.min_lr_ratio}")
         if self.objective == "reverse-kl" and not self.teacher:
@@ -126,9 +124,8 @@ class DistillArgs:
         return weights
 
     def recorded(self) -> dict[str, Any]:
-        """What a resume must match: every flag but KEPT_AS_GIVEN, paths made absolute."""
-        values = {k: v for k, v in asdict(self).items() if k not in KEPT_AS_GIVEN}
-        values["student"] = str(Path(self.student).resolve())
+        """What run.json records (RunArgs.recorded), each teacher's path made absolute."""
+        values = super().recorded()
         values["teacher"] = [f"{'+'.join(s.domains)}={Path(s.path).resolve()}" for s in self.teachers()]
         return values
 
@@ -139,19 +136,20 @@ def _seed(*parts: int) -> int:
 
 class Distiller:
     def __init__(self, args: DistillArgs, log=print):
-        self.args, self.log, self.run = args, log, Path(args.out)
+        self.args, self.log = args, log
         self.mixture = args.mixture()
-        self._check_paths()
-        ckpt = load_checkpoint(self.run, log=log) if args.resume else None
+        self.folder = folder = RunFolder(args, log)
+        if not Path(args.student).exists():
+            raise FileNotFoundError(f"--student {args.student}: no such checkpoint, run or model folder")
+        ckpt = folder.resume_from()
+        now = RunRecord(args.recorded(), None, None, folder.tokenizer_sha256(), [])
+        # a run folder from before run.json: its checkpoints recorded the settings as state["distill"]
+        legacy = RunRecord(ckpt.state["distill"], None, None, None, []) if ckpt and "distill" in ckpt.state else None
+        folder.reconcile(now, ckpt, legacy)  # reads only: a mismatch leaves no files
         if ckpt is not None:
-            differ = [f"--{k.replace('_', '-')}: the run recorded {v!r}, now {args.recorded().get(k)!r}"
-                      for k, v in ckpt.state.get("distill", {}).items() if args.recorded().get(k) != v]  # fmt: skip
-            if differ:
-                raise CheckpointError(f"{self.run} was distilled with other settings: " + "; ".join(differ)
-                                      + ". Resume with the same flags, or choose a new --out")  # fmt: skip
             self.model = K3Model(ckpt.config).to(device())
             ckpt.load_model(self.model)
-            tokenizer_path = self.run / "tokenizer.json"
+            tokenizer_path = folder.path / TOKENIZER
         else:
             from k3.hub import load_pretrained
 
@@ -173,31 +171,19 @@ class Distiller:
         self.sampler = None
         if args.objective == "reverse-kl":
             self.sampler = OnPolicySampler(self.model, self.tokenizer, args.max_new_tokens, args.temperature)
-        self.step, self.saved_step = 0, None
-        self.run.mkdir(parents=True, exist_ok=True)  # everything above only read: a mistake leaves no files
-        clean_stale_temp(self.run)
-        repair_torn_tail(self.run / "metrics.jsonl")
+        self.step = 0
+        folder.open()  # everything above only read: a mistake leaves no files
         if ckpt is None:
-            atomic_write(self.run / "tokenizer.json", tokenizer_bytes)
-        else:
+            atomic_write(folder.path / TOKENIZER, tokenizer_bytes)
+        folder.record_tokenizer()
+        if ckpt is not None:
             self._restore(ckpt)
 
-    def _check_paths(self) -> None:
-        a = self.args
-        if self.run.exists() and not self.run.is_dir():
-            raise ValueError(f"--out {self.run} is a file; the output is a folder (choose another --out)")
-        if not Path(a.student).exists():
-            raise FileNotFoundError(f"--student {a.student}: no such checkpoint, run or model folder")
-        has = self.run.is_dir() and bool(step_dirs(self.run))
-        if a.resume and not has:
-            raise CheckpointError(f"--resume: {self.run} has no checkpoint to resume from")
-        if not a.resume and has:
-            raise CheckpointError(f"{self.run} already holds checkpoints: pass --resume, or choose a new --out")
-
     def _restore(self, ckpt) -> None:
-        ckpt.load_optimizer(self.optimizer, self.model)
+        with hyperparameters_kept(self.optimizer):
+            ckpt.load_optimizer(self.optimizer, self.model)
         self.balancer.load_state_dict(ckpt.state.get("balancer", {}))
-        self.step = self.saved_step = ckpt.step
+        self.step = ckpt.step
         sampler_step = ckpt.state.get("sampler_step")
         if self.sampler is not None and sampler_step is not None:
             if sampler_step == ckpt.step:
@@ -211,15 +197,17 @@ class Distiller:
 
     def save(self) -> Path:
         sampler_step = None if self.sampler is None else self.sampler.weights_step
-        state = {"position": self.step, "tokenizer": "tokenizer.json", "distill": self.args.recorded(),
-                 "sampler_step": sampler_step, "balancer": self.balancer.state_dict()}  # fmt: skip
+        state = {
+            "position": self.step,
+            "tokenizer": TOKENIZER,
+            "args": asdict(self.args),
+            "sampler_step": sampler_step,
+            "balancer": self.balancer.state_dict(),
+        }
         extra = None
         if sampler_step is not None and sampler_step != self.step:
             extra = {SAMPLER_PREFIX + k: v for k, v in self.sampler.model.state_dict().items()}
-        path = save_checkpoint(self.run, self.step, self.model, self.optimizer, self.config, state, extra,
-                               keep_last=self.args.keep_last)  # fmt: skip
-        self.saved_step = self.step
-        return path
+        return self.folder.save(self.step, self.model, self.optimizer, self.config, state, extra)
 
     def draw(self, step: int) -> list[Prompt]:
         """The step's prompts: each row's domain from the mixture, then a prompt of that domain."""
@@ -295,27 +283,14 @@ class Distiller:
         return record
 
     def metrics(self) -> list[dict[str, Any]]:
-        path = self.run / "metrics.jsonl"
-        if not path.exists():
-            return []
-        return [r for r in latest_timeline(read_jsonl(path, log=self.log)) if r["step"] <= self.step]
+        return self.folder.metrics(self.step)
 
     def train(self) -> dict[str, Any]:
         """Distil up to --steps; returns the last record (per-domain losses as last logged)."""
-        a = self.args
-        bar = tqdm(total=a.steps, initial=self.step, disable=not a.progress, unit="step", dynamic_ncols=True)
-        try:
-            while self.step < a.steps:
-                record = self._step()
-                append_line(self.run / "metrics.jsonl", json.dumps(record))
-                bar.update(1)
-                by_domain = {k.split("/", 1)[1]: f"{v:.2f}" for k, v in record.items() if k.startswith("loss/")}
-                bar.set_postfix(loss=f"{record['loss']:.3f}", **by_domain)
-                if self.step % a.ckpt_every == 0 or self.step == a.steps:
-                    self.save()
-        finally:
-            bar.close()
-        last: dict[str, Any] = {}
-        for record in self.metrics():
-            last.update(record)
-        return {**last, "step": self.step}
+
+        def shown(record: dict[str, Any]) -> dict[str, str]:
+            by_domain = {k.split("/", 1)[1]: f"{v:.2f}" for k, v in record.items() if k.startswith("loss/")}
+            return {"loss": f"{record['loss']:.3f}", **by_domain}
+
+        self.folder.train(self.step, self._step, self.save, shown)
+        return self.folder.summary(self.step)

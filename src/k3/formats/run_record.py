@@ -3,10 +3,13 @@
 A run folder caches work that depends on its inputs (tokenizer.json learned from the data, the packed
 token streams, metrics.jsonl, checkpoints of a model trained with certain flags). run.json records those
 inputs when the run starts: the training and validation data (path and a sha256 over every document's
-name and text), the sha256 of tokenizer.json, and every flag that changes what the run computes. Any
-later `k3 train --out` the same folder (a resume, or a restart after an interruption before the first
-checkpoint) is compared with it, and a difference is an error naming each flag, unless `--override` is
-given: then the new values take effect and run.json records them, with the step they took effect at.
+name and text), the sha256 of tokenizer.json, and every flag that changes what the run computes (the
+fields a RunArgs dataclass marks recorded; --steps is not one: raising it is how a finished run is
+continued, and --out, --resume, --ckpt-every, --keep-last, --progress or --override only change what is
+shown or kept). Any later run with `--out` the same folder (a resume, or a restart after an interruption
+before the first checkpoint) is compared with it, and a difference is an error naming each flag, unless
+`--override` is given: then the new values take effect and run.json records them, with the step they took
+effect at (k3.formats.run_folder does this for every training loop).
 """
 
 import hashlib
@@ -16,20 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from k3.formats.files import atomic_write
+from k3.formats.run_args import flag
 
 RUN_FILE = "run.json"
 FORMAT = "k3-run-1"
-# Flags that change what a run computes. --steps is not here: raising it is how a finished run is
-# continued (the schedule is then stretched, and the trainer says so); --out, --resume, --progress,
-# --eval-every, --ckpt-every, --keep-last, --tensorboard and --override only change what is shown or kept.
-RESULT_FLAGS = ("preset", "vocab_size", "seq_len", "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup",
-                "schedule", "weight_decay", "expert_optimizer", "expert_ns_steps", "clip", "seed", "balancer",
-                "qb_bins", "qb_exact_cutoff", "val_fraction", "eval_batches", "init_from", "text_only",
-                "qat", "stages", "synthetic_ratio")  # fmt: skip
-# Flags that choose the model itself: once a checkpoint exists they cannot change, --override or not
-# (--preset can: the resumed model keeps its recorded configuration, and another preset is compared with
-# it field by field).
-MODEL_FLAGS = ("vocab_size", "init_from", "text_only")
 
 
 class RunMismatchError(ValueError):
@@ -43,7 +36,7 @@ def file_sha256(path: Path) -> str:
 @dataclass
 class RunRecord:
     flags: dict[str, Any]
-    data: dict[str, Any]  # {"path": str | None, "sha256": str | None}
+    data: dict[str, Any] | None  # {"path": str | None, "sha256": str | None}; None: the run reads no corpus
     val_data: dict[str, Any] | None
     tokenizer_sha256: str | None
     history: list[dict[str, Any]]
@@ -71,10 +64,6 @@ def write_record(run: Path, record: RunRecord) -> None:
     atomic_write(Path(run) / RUN_FILE, json.dumps(record.to_json(), indent=1) + "\n")
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _data_diff(flag: str, recorded: dict[str, Any] | None, now: dict[str, Any] | None) -> list[str]:
     recorded, now = recorded or {"path": None, "sha256": None}, now or {"path": None, "sha256": None}
     where = {k: (v["path"] or "the standard library") for k, v in (("r", recorded), ("n", now))}
@@ -90,15 +79,19 @@ def differences(recorded: RunRecord, now: RunRecord) -> list[str]:
     """What `now` asks differently from what the run folder recorded, one readable item per flag."""
     diffs = _data_diff("--data", recorded.data, now.data)
     diffs += _data_diff("--val-data", recorded.val_data, now.val_data)
-    for name in RESULT_FLAGS:
-        if name in recorded.flags and recorded.flags[name] != now.flags.get(name):
-            diffs.append(f"{_flag(name)}: the run recorded {recorded.flags[name]!r}, now {now.flags.get(name)!r}")
+    for name, value in now.flags.items():
+        if name in recorded.flags and recorded.flags[name] != value:
+            diffs.append(f"{flag(name)}: the run recorded {recorded.flags[name]!r}, now {value!r}")
     if recorded.tokenizer_sha256 and now.tokenizer_sha256 and recorded.tokenizer_sha256 != now.tokenizer_sha256:
         diffs.append("tokenizer.json: it was replaced after the run started (its sha256 differs from run.json's)")
     return diffs
 
 
-def model_differences(recorded: RunRecord, now: RunRecord) -> list[str]:
-    """The differences no --override can accept once a checkpoint exists: the model itself."""
-    return [f"{_flag(n)}: the checkpoints hold a model made with {recorded.flags[n]!r}, not {now.flags.get(n)!r}"
-            for n in MODEL_FLAGS if n in recorded.flags and recorded.flags[n] != now.flags.get(n)]  # fmt: skip
+def model_differences(recorded: RunRecord, now: RunRecord, names: list[str]) -> list[str]:
+    """The differences no --override can accept once a checkpoint exists: those of the flags `names`, which
+    choose the model itself."""
+    changed = [n for n in names if n in recorded.flags and recorded.flags[n] != now.flags.get(n)]
+    return [
+        f"{flag(n)}: the checkpoints hold a model made with {recorded.flags[n]!r}, not {now.flags.get(n)!r}"
+        for n in changed
+    ]

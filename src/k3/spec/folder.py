@@ -16,6 +16,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from k3.formats.files import atomic_write
 from k3.model.model import K3Model
 from k3.spec.draft import DraftModel
 
@@ -46,8 +47,9 @@ def save_draft(draft: DraftModel, big: K3Model, out: str | Path, training: dict 
         "feature_blocks": list(draft.feature_blocks), "base": base_fingerprint(big), "training": training or {},
     }  # fmt: skip
     state = {k: v.detach().float().contiguous() for k, v in draft.state_dict().items()}
-    save_file(state, str(out / WEIGHTS_FILE))
-    (out / CONFIG_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+    # each file atomically (a kill never leaves a torn one), the weights first: draft.json says the folder is a draft
+    atomic_write(out / WEIGHTS_FILE, lambda tmp: save_file(state, str(tmp)))
+    atomic_write(out / CONFIG_FILE, json.dumps(meta, indent=1) + "\n")
     return out
 
 

@@ -23,6 +23,8 @@ from torch import nn
 
 from k3.model.router import Router, RouterOutput
 
+BALANCERS = ("quantile", "fixed", "none")  # `k3 train --balancer`: Quantile Balancing, the fixed step, nothing
+
 
 def moe_routers(model_or_routers: nn.Module | Sequence[Router]) -> list[Router]:
     """The routers of a model in layer order (`modules()` follows registration order, as K3Output.routing does)."""

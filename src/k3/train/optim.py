@@ -27,7 +27,9 @@ channel, a vector in all but shape) or the AttnRes queries (zero-initialised 1 �
 uniform mixing over blocks; decay would keep pulling depth mixing back to uniform).
 """
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -44,6 +46,7 @@ NO_DECAY_LEAVES = ("bias", "A_log", "dt_bias")
 ADAMW_DECAY_MODULES = ("embed_tokens", "lm_head")
 # How the routed experts are optimised (module docstring); "muon" is the default (docs/benchmarks.md measures all).
 EXPERT_OPTIMIZERS = ("muon", "muon-active", "adamw")
+SCHEDULES = ("cosine", "wsd")
 
 
 class ParamGroupError(ValueError):
@@ -208,7 +211,7 @@ def lr_at(
             f"lr_at needs total_steps ≥ 1, 0 ≤ warmup ≤ total_steps and 0 ≤ min_ratio ≤ 1; got total_steps="
             f"{total_steps}, warmup={warmup}, min_ratio={min_ratio}"
         )
-    if schedule not in ("cosine", "wsd"):
+    if schedule not in SCHEDULES:
         raise ValueError(f"unknown lr schedule {schedule!r}; choose 'cosine' or 'wsd'")
     if step < warmup:
         return (step + 1) / warmup
@@ -222,6 +225,17 @@ def lr_at(
     if schedule == "cosine":
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * s))
     return 1 - (1 - min_ratio) * s
+
+
+@contextlib.contextmanager
+def hyperparameters_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Loading a checkpoint's optimiser state inside this keeps each group's base_lr and weight_decay as they
+    are: the saved groups carry the run's, and the flags given now are the ones that count (equal unless
+    --override accepted new values)."""
+    fresh = [(g["base_lr"], g["weight_decay"]) for g in optimizer.param_groups]
+    yield
+    for group, (lr, weight_decay) in zip(optimizer.param_groups, fresh, strict=True):
+        group["base_lr"], group["weight_decay"] = lr, weight_decay
 
 
 def set_lr_factor(optimizer: torch.optim.Optimizer, factor: float) -> None:

@@ -8,36 +8,37 @@ per example:
 with the loss on every text token after the image (question and answer; the image's own positions and
 the padding carry no target). Tower, projector and language model start from random weights and learn
 together from that loss alone: no contrastive pre-training. The optimiser, schedule, clipping and
-router-bias balancing are the text trainer's (k3.train.optim, k3.train.balance); the checkpoints are the
-same format (k3.formats.checkpoint), so `k3 generate --model RUN --image ...` and `LLM(model=RUN)` load them.
+router-bias balancing are the text trainer's (k3.train.optim, k3.train.balance); the run folder is the same
+(k3.formats.run_folder: run.json, tokenizer.json, metrics.jsonl, step_*/ checkpoints), so `k3 generate
+--model RUN --image ...` and `LLM(model=RUN)` load it, and --resume continues it exactly as `k3 train`
+does: step n's examples are the n-th of the generator, whatever ran before.
 
 `use_images=False` trains the text-only baseline: the same sequences without the image span, so it
 learns what the questions alone tell about the answers (docs/vision.md compares the two).
 
-A run folder is started fresh: --resume, --init-from and --data do not apply to this trainer yet, and are
-refused by name.
+The flags of the text trainer that do not apply to generated images (--data, --init-from, --grad-accum,
+...) are refused by name.
 """
 
-import json
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from k3.config import K3Config
 from k3.data.image_input import image_to_tensor
 from k3.data.images import all_texts, example
 from k3.data.media import MEDIA_TOKENS, image_span, media_token_ids
-from k3.formats.checkpoint import save_checkpoint, step_dirs
-from k3.formats.files import append_line
+from k3.formats.run_args import RunArgs, flag
+from k3.formats.run_folder import TOKENIZER, RunFolder
+from k3.formats.run_record import RunRecord
 from k3.formats.tokenizer import K3Tokenizer, train_tokenizer
 from k3.model import K3Model
 from k3.model.vision import image_tokens
 from k3.train.balance import QuantileBalancer
-from k3.train.optim import build_optimizer, lr_at, set_lr_factor
+from k3.train.optim import build_optimizer, hyperparameters_kept, lr_at, set_lr_factor
 
 TOKENIZER_VOCAB = 512  # the generated texts' words need far fewer; BPE stops when it runs out of pairs
 
@@ -96,76 +97,129 @@ def batch_loss(model: K3Model, items: list[Encoded], pad_id: int):
     return model(ids, labels=labels, image_embeds=embeds)
 
 
-# The TrainArgs this trainer reads; any other flag set away from its default is refused, not silently ignored.
-USED_FLAGS = {"out", "preset", "steps", "batch_size", "lr", "min_lr_ratio", "warmup", "schedule", "weight_decay",
-              "clip", "eval_every", "eval_batches", "keep_last", "seed", "balancer", "qb_bins", "progress"}  # fmt: skip
+# The TrainArgs this trainer reads (RunArgs' own and these); any other flag set away from its default is refused,
+# not silently ignored.
+OPTIMISER_FLAGS = ("lr", "min_lr_ratio", "warmup", "schedule", "weight_decay", "clip", "balancer", "qb_bins")
+DATA_FLAGS = ("preset", "batch_size", "eval_every", "eval_batches")
+USED_FLAGS = {*(f.name for f in fields(RunArgs)), *DATA_FLAGS, *OPTIMISER_FLAGS}
 
 
 def _check(args) -> None:
     for f in fields(args):
         if f.name not in USED_FLAGS and getattr(args, f.name) != f.default:
-            raise ValueError(f"--{f.name.replace('_', '-')}: the image-text trainer (--preset {args.preset}) starts a "
-                             f"fresh run on generated images; it does not take this flag yet")  # fmt: skip
+            raise ValueError(
+                f"{flag(f.name)}: the image-text trainer (--preset {args.preset}) trains on generated "
+                f"images; it does not take this flag yet"
+            )
     if args.balancer == "fixed":
-        raise ValueError(f"--balancer fixed: the image-text trainer (--preset {args.preset}) balances with quantile "
-                         f"or none")  # fmt: skip
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or step_dirs(out)):
-        raise ValueError(f"--out {out} already holds a run (or is a file): choose a new --out")
+        raise ValueError(
+            f"--balancer fixed: the image-text trainer (--preset {args.preset}) balances with quantile or none"
+        )
+
+
+class VisionTrainer:
+    """Tower, projector and language model trained together on generated examples; `args` is a
+    k3.train.trainer.TrainArgs. A RunFolder user, as the text trainer: --resume continues from the newest
+    checkpoint and logs what an unbroken run logs."""
+
+    def __init__(self, args, log=print, use_images: bool = True):
+        _check(args)
+        self.args, self.log, self.use_images = args, log, use_images
+        self.folder = folder = RunFolder(args, log)
+        ckpt = folder.resume_from()
+        # `images` is no flag, but a baseline resumed with images (or the reverse) would be another run
+        now = RunRecord({**args.recorded(), "images": use_images}, None, None, folder.tokenizer_sha256(), [])
+        folder.reconcile(now, ckpt)  # reads only: a mismatch leaves no files
+        if ckpt is None:
+            self.tokenizer = vision_tokenizer()
+            self.config = vision_config_for(args.preset, self.tokenizer)
+        else:
+            self.tokenizer = K3Tokenizer.load(folder.path / TOKENIZER)
+            self.config = ckpt.config
+        folder.open()
+        if ckpt is None:
+            self.tokenizer.save(folder.path / TOKENIZER)
+        folder.record_tokenizer()
+        torch.manual_seed(args.seed)
+        self.model = K3Model(self.config)
+        self.optimizer = build_optimizer(self.model, lr=args.lr, weight_decay=args.weight_decay)
+        self.balancer = QuantileBalancer(self.model, num_bins=args.qb_bins) if args.balancer == "quantile" else None
+        self.pad = self.tokenizer.tok.token_to_id("<|pad|>")
+        examples = [example("eval", i, args.seed) for i in range(args.eval_batches * args.batch_size)]
+        self.val = [encode(ex, self.tokenizer, self.config, use_images) for ex in examples]
+        self.step = 0
+        if ckpt is not None:
+            ckpt.load_model(self.model)
+            with hyperparameters_kept(self.optimizer):
+                ckpt.load_optimizer(self.optimizer, self.model)
+            torch.set_rng_state(ckpt.tensors("extra.safetensors")["rng.torch"])
+            if self.balancer is not None:
+                self.balancer.load_state_dict(ckpt.state.get("balancer", {}))
+            self.step = ckpt.step
+            log(f"resumed from {ckpt.path} at step {self.step}")
+
+    def _step(self) -> dict[str, Any]:
+        a, step = self.args, self.step + 1
+        t0 = time.perf_counter()
+        set_lr_factor(self.optimizer, lr_at(step - 1, a.steps, min(a.warmup, a.steps), a.schedule, a.min_lr_ratio))
+        first = (step - 1) * a.batch_size
+        examples = [example("train", first + i, a.seed) for i in range(a.batch_size)]
+        items = [encode(ex, self.tokenizer, self.config, self.use_images) for ex in examples]
+        out = batch_loss(self.model, items, self.pad)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.clip).item()
+        if self.balancer is not None:
+            self.balancer.observe(out.routing)
+            self.balancer.update()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = step
+        record = {"step": step, "loss": out.loss.item(), "grad_norm": grad_norm, "step_s": time.perf_counter() - t0}
+        if step % a.eval_every == 0 or step == a.steps:
+            record["val_loss"] = evaluate_loss(self.model, self.val, self.pad, a.batch_size)
+        return record
+
+    def save(self) -> Path:
+        state = {
+            "position": self.step * self.args.batch_size,
+            "args": asdict(self.args),
+            "tokenizer": TOKENIZER,
+            "images": self.use_images,
+            "balancer": self.balancer.state_dict() if self.balancer is not None else {},
+        }
+        return self.folder.save(self.step, self.model, self.optimizer, self.config, state)
+
+    def train(self) -> dict[str, Any]:
+        """Train up to --steps; returns the newest value of each metric, with `seconds` (wall time of the loop),
+        `run` (the folder), the model and the tokenizer."""
+        named = dict(self.model.named_parameters())
+        n = sum(p.numel() for p in named.values())
+        tower = sum(p.numel() for name, p in named.items() if name.startswith(("vision_tower", "mm_projector")))
+        self.log(
+            f"model: {n / 1e6:.2f}M parameters ({tower / 1e6:.2f}M vision tower + projector), images: {self.use_images}"
+        )
+
+        def shown(record: dict[str, Any]) -> dict[str, str]:
+            val = {"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}
+            return {"loss": f"{record['loss']:.3f}", **val}
+
+        start = time.perf_counter()
+        self.model.train()
+        self.folder.train(self.step, self._step, self.save, shown)
+        seconds = time.perf_counter() - start
+        summary = self.folder.summary(self.step)
+        return {
+            **summary,
+            "seconds": seconds,
+            "run": str(self.folder.path),
+            "model": self.model,
+            "tokenizer": self.tokenizer,
+        }
 
 
 def train_vision(args, log=print, use_images: bool = True) -> dict[str, Any]:
-    """Train args.steps steps of args.batch_size generated examples; returns the last metrics, with
-    `seconds` (wall time of the loop) and `run` (the folder). `args` is a k3.train.trainer.TrainArgs."""
-    _check(args)
-    run = Path(args.out)
-    run.mkdir(parents=True, exist_ok=True)
-    tokenizer = vision_tokenizer()
-    tokenizer.save(run / "tokenizer.json")
-    config = vision_config_for(args.preset, tokenizer)
-    torch.manual_seed(args.seed)
-    model = K3Model(config)
-    optimizer = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay)
-    balancer = QuantileBalancer(model, num_bins=args.qb_bins) if args.balancer == "quantile" else None
-    pad = tokenizer.tok.token_to_id("<|pad|>")
-    val = [encode(example("eval", i, args.seed), tokenizer, config, use_images)
-           for i in range(args.eval_batches * args.batch_size)]  # fmt: skip
-    n = sum(p.numel() for p in model.parameters())
-    tower = sum(p.numel() for name, p in model.named_parameters() if name.startswith(("vision_tower", "mm_projector")))
-    log(f"model: {n / 1e6:.2f}M parameters ({tower / 1e6:.2f}M vision tower + projector), images: {use_images}")
-    record: dict[str, Any] = {}
-    start = time.perf_counter()
-    bar = tqdm(total=args.steps, disable=not args.progress, unit="step", dynamic_ncols=True)
-    model.train()
-    for step in range(1, args.steps + 1):
-        t0 = time.perf_counter()
-        set_lr_factor(optimizer, lr_at(step - 1, args.steps, min(args.warmup, args.steps), args.schedule,
-                                       args.min_lr_ratio))  # fmt: skip
-        first = (step - 1) * args.batch_size
-        items = [encode(example("train", first + i, args.seed), tokenizer, config, use_images)
-                 for i in range(args.batch_size)]  # fmt: skip
-        out = batch_loss(model, items, pad)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip).item()
-        if balancer is not None:
-            balancer.observe(out.routing)
-            balancer.update()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        record = {"step": step, "loss": out.loss.item(), "grad_norm": grad_norm, "step_s": time.perf_counter() - t0}
-        if step % args.eval_every == 0 or step == args.steps:
-            record["val_loss"] = evaluate_loss(model, val, pad, args.batch_size)
-        append_line(run / "metrics.jsonl", json.dumps(record))
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{record['loss']:.3f}", **({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {})
-        )
-    bar.close()
-    seconds = time.perf_counter() - start
-    state = {"position": args.steps * args.batch_size, "args": asdict(args), "tokenizer": "tokenizer.json",
-             "images": use_images}  # fmt: skip
-    save_checkpoint(run, args.steps, model, optimizer, config, state, keep_last=max(1, args.keep_last))
-    return {**record, "seconds": seconds, "run": str(run), "model": model, "tokenizer": tokenizer}
+    """VisionTrainer(args, log, use_images).train()."""
+    return VisionTrainer(args, log, use_images).train()
 
 
 @torch.no_grad()
