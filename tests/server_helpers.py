@@ -51,7 +51,7 @@ class ScriptedHandle:
         self.finished = False
         self.cancelled = False
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str = "abort") -> None:
         self.cancelled = self.finished = True
 
     async def __aiter__(self):

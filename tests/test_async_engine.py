@@ -141,6 +141,22 @@ def test_cancel_frees_the_request_and_ends_its_iterators(make):
     assert_pool_free(engine)
 
 
+def test_cancel_with_stop_ends_the_request_with_stop_in_the_engine_too(make):
+    """A caller that found the end itself (the server's chat stop strings) cancels with "stop": the last output
+    and the engine's record of the request both say stop; other reasons are refused."""
+    engine = make(caching=False)
+    handle = engine.submit(list(range(1, 30)), SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
+    seq = engine.engine.seqs[handle.request_id]  # the engine's record, read again once the request is over
+    outputs = handle.outputs(timeout=WAIT_S)
+    next(outputs)
+    with pytest.raises(ValueError, match="abort or stop"):
+        handle.cancel("length")
+    handle.cancel("stop")
+    rest = list(outputs)
+    assert rest[-1].finished and rest[-1].finish_reason == "stop" and seq.finish_reason == "stop"
+    assert_pool_free(engine)
+
+
 def test_cancel_from_a_coroutine(make):
     engine = make()
 

@@ -3,7 +3,7 @@
 import pytest
 
 from k3.serve.sampling import SamplingParams
-from k3.serve.sequence import FinishReason, Sequence, SequenceStatus
+from k3.serve.sequence import FinishReason, Sequence, SequenceStatus, end_reason, ending_token_ids
 
 EOS = 2
 
@@ -112,3 +112,28 @@ def test_append_output_streams_text_and_stops_at_a_stop_string():
     assert "".join(pieces) == seq.output_text == "ab\ncd"
     assert pieces[2] == "" and pieces[3] == "\nc"  # "\n" held back until "c" shows it starts no stop string
     assert seq.finish_reason == FinishReason.STOP and seq.num_output_tokens == 7
+
+
+def test_end_reason_is_the_one_rule():
+    """Stop on eos (unless ignore_eos), a stop token id or a complete grammar, before length at max_tokens."""
+    p = SamplingParams(max_tokens=3, stop_token_ids=[9])
+    assert end_reason(p, EOS, 1, EOS) == end_reason(p, 9, 1, None) == FinishReason.STOP
+    assert end_reason(p, 4, 2, EOS) is None and end_reason(p, 4, 3, EOS) == FinishReason.LENGTH
+    assert end_reason(p, EOS, 3, EOS) == FinishReason.STOP  # on the max_tokens-th token too
+    assert end_reason(p, 4, 1, EOS, grammar_complete=True) == FinishReason.STOP
+    ignoring = SamplingParams(max_tokens=3, ignore_eos=True)
+    assert end_reason(ignoring, EOS, 1, EOS) is None and ending_token_ids(ignoring, EOS) == ()
+    assert ending_token_ids(p, EOS) == (EOS, 9) and ending_token_ids(p, None) == (9,)
+
+
+def test_a_stop_string_completed_by_the_last_token_ends_with_stop():
+    """The max_tokens-th token completes a stop string: the output is cut there and the request ends with
+    stop, the reason the chat server gives for a cut content (and vLLM for a cut output); it said length."""
+    from k3.formats.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer()
+    ids = tok.encode("ab\n\n")
+    seq = Sequence("r", [1], SamplingParams(max_tokens=len(ids), stop=["\n\n"]), tokenizer=tok)
+    text = "".join(seq.append_output(t) for t in ids)
+    assert text == seq.output_text == "ab" and seq.finish_reason == FinishReason.STOP
+    assert seq.num_output_tokens == len(ids)

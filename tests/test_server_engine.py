@@ -89,6 +89,38 @@ def test_openai_client_against_the_engine(served):
     assert_pool_free(engine)
 
 
+def _finished_counts(url: str) -> dict[str, float]:
+    prefix = "k3_requests_finished_total{finish_reason="
+    lines = [line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith(prefix)]
+    return {line[len(prefix) + 1 : line.index('"}')]: float(line.split()[-1]) for line in lines}
+
+
+def test_a_stop_string_in_chat_content_ends_the_engine_request_with_stop(served):
+    """The server cuts chat content at a stop string and cancels the engine request: the engine records
+    "stop", the reason the client is told (it used to record "abort", which the server then took for a
+    shutdown: a 503, or an error event in a stream)."""
+    url, engine = served
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    body["reasoning_effort"] = "none"  # the reply is content, which stop strings apply to
+    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+    content = reply["choices"][0]["message"]["content"]
+    assert len(content) >= 13  # an untrained model's reply, the same every time (greedy)
+    stop = content[10:13]
+    before = _finished_counts(url)
+    r = httpx.post(url + "/v1/chat/completions", json={**body, "stop": [stop]}, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == content[: content.index(stop)] and choice["finish_reason"] == "stop"
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stop": [stop], "stream": True}) as s:
+        events = [e[len("data: ") :] for e in s.read().decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]" and all("error" not in e for e in events)
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "stop"
+    after = _finished_counts(url)
+    assert after.get("stop", 0) - before.get("stop", 0) == 2 and after.get("abort") == before.get("abort")
+    assert_pool_free(engine)
+
+
 async def _stream(client: httpx.AsyncClient, i: int) -> tuple[str, list]:
     body = {"model": MODEL, "prompt": f"request {i}: ", "max_tokens": 4, "stream": True, "ignore_eos": True,
             "temperature": 0.8, "seed": i, "stream_options": {"include_usage": True}}  # fmt: skip

@@ -13,6 +13,7 @@ from k3.serve.plan import ProposalRow, StepPlan, prefill_piece
 from k3.serve.sampling import SamplingParams
 from k3.serve.sequence import Sequence
 from k3.serve.speculative.proposer import Proposer
+from k3.serve.speculative.verify import verify
 from k3.spec.draft import DraftModel
 from tiny_models import tiny_model
 
@@ -28,8 +29,8 @@ class OracleProposer(Proposer):
     """Proposes the true greedy continuation with some tokens corrupted, so that verification accepts
     every count from 0 to k; knows the reference outputs by prompt."""
 
-    def __init__(self, draft, max_model_len, reference: dict[tuple, list[int]], seed: int = 0):
-        super().__init__(draft, max_model_len)
+    def __init__(self, draft, reference: dict[tuple, list[int]], seed: int = 0):
+        super().__init__(draft)
         self.reference, self.rng = reference, random.Random(seed)
 
     def propose(self, seqs, summaries):
@@ -46,7 +47,7 @@ def run(model, prompts, params, draft=None, oracle=None, steps_between=1, **conf
     verify rows mix); returns the outputs in prompt order and the engine."""
     engine = LLMEngine(model, None, EngineConfig(num_pages=config.pop("num_pages", 400), **config), draft=draft)
     if oracle is not None:
-        engine.proposer = OracleProposer(draft.attach(model), engine.max_model_len, oracle)
+        engine.proposer = OracleProposer(draft.attach(model), oracle)
     out, ids, pending = {}, [], list(prompts)
     step = 0
     while pending or engine.has_unfinished():
@@ -162,3 +163,24 @@ def test_speculation_only_at_small_batches_when_asked(model):
     assert got == ref
     everywhere = run(model, PROMPTS[:3], GREEDY, DraftModel(model.config).double(), oracle, steps_between=2)[1]
     assert 0 < engine.spec_stats.verify_steps < everywhere.spec_stats.verify_steps
+
+
+def test_verification_cuts_where_the_end_rule_ends_the_request():
+    """verify keeps the tokens up to the first that ends the request by the engine's own rule: a stop token,
+    or the max_tokens-th output token (position counts the output tokens before the row)."""
+    logits = torch.full((4, 10), -10.0)
+    logits[torch.arange(4), torch.tensor([3, 4, 5, 6])] = 0.0  # the big model's tokens: 3 4 5 6
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    assert verify(logits, [3, 4, 5], greedy, position=0) == [3, 4, 5, 6]
+    assert verify(logits, [3, 4, 5], greedy, position=3) == [3, 4]  # the 5th output token ends it
+    stopping = SamplingParams(temperature=0, max_tokens=100, stop_token_ids=[4])
+    assert verify(logits, [3, 4, 5], stopping, position=0) == [3, 4]
+
+
+def test_proposals_are_bounded_by_the_tokens_the_request_may_still_produce(model):
+    proposer = Proposer(DraftModel(model.config, num_speculative_tokens=7).double().attach(model))
+    seq = Sequence("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5))
+    seq.output_token_ids = [4, 5]
+    assert seq.tokens_left == 3 and proposer.room(seq) == 2  # the bonus token is the third
+    seq.output_token_ids = [4, 5, 6, 7]
+    assert proposer.room(seq) == 0

@@ -8,7 +8,8 @@ handle; with nothing to do it waits on a condition (no spinning). A submission i
 run on the loop between two steps, and the caller waits for it (at most one step), so the engine's
 admission errors (ValueError, TypeError, Overloaded) are raised in the caller. A cancellation is
 queued without waiting: the loop aborts the request before its next step, which frees its pages and
-state, and the handle's last output then has finish_reason "abort".
+state, and the handle's last output then has finish_reason "abort" (or "stop", for a caller that found the
+end itself: the server's stop strings on chat content), the reason the engine records.
 
 A step that raises fails the requests it computed (the step's plan; every running request if the
 failure came before a plan existed): each is aborted (pages freed) and gets a last output with
@@ -26,10 +27,12 @@ from concurrent.futures import Future
 
 from k3.serve.engine import LLMEngine, RequestOutput
 from k3.serve.sampling import SamplingParams
+from k3.serve.sequence import FinishReason
 
 log = logging.getLogger("k3.serve")
 
 ERROR = "error"  # finish_reason of a request whose step raised
+CANCEL_REASONS = ("abort", "stop")  # what RequestHandle.cancel may end a request with
 
 
 class EngineClosed(RuntimeError):
@@ -64,12 +67,15 @@ class RequestHandle:
         """Outputs queued and not yet read."""
         return len(self._queue)
 
-    def cancel(self) -> None:
-        """Abort the request: its pages and state are freed before the engine's next step and the iterators
-        end with an output whose finish_reason is "abort". Idempotent; nothing happens once finished.
-        Does not wait: `wait()` does."""
+    def cancel(self, reason: str = "abort") -> None:
+        """End the request: its pages and state are freed before the engine's next step and the iterators
+        end with an output whose finish_reason is `reason`, which the engine records: "abort", or "stop" when
+        the caller found the request's end itself (a stop string in parsed chat content). Idempotent; nothing
+        happens once finished (the first reason sticks). Does not wait: `wait()` does."""
+        if reason not in CANCEL_REASONS:
+            raise ValueError(f"a request is cancelled with reason {' or '.join(CANCEL_REASONS)}, got {reason!r}")
         if not self._finished:
-            self._owner._cancel(self.request_id)
+            self._owner._cancel(self.request_id, reason)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the request is over (its pages released); False if timeout seconds passed first."""
@@ -267,11 +273,11 @@ class AsyncEngine:
             self._calls.append((call, done))
             self._cond.notify_all()
 
-    def _cancel(self, request_id: str) -> None:
+    def _cancel(self, request_id: str, reason: str = "abort") -> None:
         with self._cond:
             if self._stopped:
                 return  # the loop aborted everything when it stopped
-            self._calls.append((lambda: self._abort(request_id, "abort"), None))
+            self._calls.append((lambda: self._abort(request_id, reason), None))
             self._cond.notify_all()
 
     def _loop(self) -> None:
@@ -334,12 +340,13 @@ class AsyncEngine:
             self._abort(request_id, ERROR, f"{type(exc).__name__}: {exc}")
 
     def _abort(self, request_id: str, reason: str, error: str | None = None) -> None:
-        """Abort one request on the loop (its pages and state freed) and give its handle its last output."""
+        """End one request on the loop with `reason` (its pages and state freed; the engine records the reason)
+        and give its handle its last output, with the same reason."""
         handle = self._handles.pop(request_id, None)
         seq = self._engine.seqs.get(request_id)
         try:
             if seq is not None:
-                self._engine.abort(request_id)
+                self._engine.abort(request_id, FinishReason(reason))
         finally:  # the handle ends even if the abort raised: its reader must not wait forever
             if handle is not None:
                 handle._put(RequestOutput(

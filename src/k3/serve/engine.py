@@ -31,7 +31,7 @@ from k3.serve.pool import PagePool
 from k3.serve.prefix_cache import PrefixCache
 from k3.serve.sampling import SamplingParams, TokenLogprob, sample, token_logprobs
 from k3.serve.scheduler import Scheduler, SchedulerConfig
-from k3.serve.sequence import FinishReason, Sequence
+from k3.serve.sequence import FinishReason, Sequence, ending_token_ids
 from k3.serve.speculative.proposer import Proposer
 from k3.serve.speculative.stats import SpecStats
 from k3.serve.speculative.verify import verify
@@ -108,7 +108,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         self.draft, self.proposer, self.spec_stats = draft, None, SpecStats()
         if draft is not None:
-            self.proposer = Proposer(draft.attach(model), self.max_model_len, config.num_speculative_tokens)
+            self.proposer = Proposer(draft.attach(model), config.num_speculative_tokens)
         self.last_plan: StepPlan | None = None  # the plan of the step running or last run; None if schedule failed
         self.grammars: GrammarCompiler | None = None  # made with the first request that has a grammar
         log.info("k3 engine: %s", self.pool.describe())
@@ -160,14 +160,18 @@ class LLMEngine:
         engine cannot follow raises a ValueError (GrammarError, UnsupportedTokenizer) from add_request."""
         if self.grammars is None:
             self.grammars = GrammarCompiler(Vocabulary.of(self.tokenizer, self.model.config.vocab_size))
-        eos = [self.eos_id] if self.eos_id is not None and not params.ignore_eos else []
-        return self.grammars.matcher(params.grammar, [*eos, *params.stop_token_ids])
+        return self.grammars.matcher(params.grammar, list(ending_token_ids(params, self.eos_id)))
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """Take a request out before it finished, its pages freed, finished with `reason`: abort (cancelled),
+        stop (the caller found an end the engine cannot see: the server's stop string in parsed chat content)
+        or error (computing it failed outside the engine's step: k3.serve.async_engine)."""
+        if reason not in (FinishReason.ABORT, FinishReason.STOP, FinishReason.ERROR):
+            raise ValueError(f"a request is taken out with reason abort, stop or error, got {reason!r}")
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return False
-        seq.finish(FinishReason.ABORT)
+        seq.finish(reason)
         del self.seqs[request_id]
         return True
 

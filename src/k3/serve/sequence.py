@@ -26,6 +26,33 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # computing this request raised (Sequence.error says what); the others in its step go on
 
 
+def ending_token_ids(params: SamplingParams, eos_token_id: int | None) -> tuple[int, ...]:
+    """The tokens that end a request with stop: eos unless ignore_eos, then params.stop_token_ids (what a
+    grammar's matcher takes as the tokens that may end it)."""
+    eos = () if eos_token_id is None or params.ignore_eos else (eos_token_id,)
+    return (*eos, *params.stop_token_ids)
+
+
+def end_reason(
+    params: SamplingParams,
+    token_id: int,
+    num_output_tokens: int,
+    eos_token_id: int | None,
+    grammar_complete: bool = False,
+) -> FinishReason | None:
+    """The one end-of-request rule, token by token: why a request ends with `token_id` as its
+    num_output_tokens-th output token, or None if it goes on. Stop: eos (unless ignore_eos), a stop token id,
+    or a grammar that is complete; length: max_tokens reached. The token is kept in the output either way.
+    Sequence.append_token and speculative verification (k3.serve.speculative.verify) both decide with it, and
+    the proposer's room is what it leaves (Sequence.tokens_left). Stop strings are text, not tokens: the
+    text stream decides them (Sequence.append_output), and a stop string cuts the output with reason stop."""
+    if token_id in ending_token_ids(params, eos_token_id) or grammar_complete:
+        return FinishReason.STOP
+    if num_output_tokens >= params.max_tokens:
+        return FinishReason.LENGTH
+    return None
+
+
 def _check_token_ids(token_ids: list[int], what: str) -> None:
     for i, t in enumerate(token_ids):
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
@@ -127,35 +154,43 @@ class Sequence:
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
+    @property
+    def tokens_left(self) -> int:
+        """Output tokens the request may still produce before end_reason ends it by length."""
+        return self.params.max_tokens - self.num_output_tokens
+
     def append_token(self, token_id: int, eos_token_id: int | None = None) -> FinishReason | None:
-        """Add a sampled token; finish (and return why) on eos unless ignore_eos, on a stop token id, where
-        the grammar is complete and nothing may follow, or at max_tokens. The eos or stop token is kept in
-        output_token_ids (usage counts it). A token the grammar refuses raises GrammarViolation, before
-        anything changes."""
+        """Add a sampled token; finish, and return why, where end_reason says the request ends. The eos or
+        stop token is kept in output_token_ids (usage counts it). A token the grammar refuses raises
+        GrammarViolation, before anything changes."""
+        reason = self._append(token_id, eos_token_id)
+        if reason is not None:
+            self.finish(reason)
+        return self.finish_reason
+
+    def append_output(self, token_id: int, eos_token_id: int | None = None) -> str:
+        """append_token, then the text it adds to the stream: detokenised, cut at a stop string, with a possible
+        start of a stop string held back until it is decided. A stop string that cuts the text finishes the
+        request with stop, also when its token ended it by length: the output ends at the stop string."""
+        reason = self._append(token_id, eos_token_id)
+        text = self.detokenizer.step(self.output_token_ids, final=reason is not None) if self.detokenizer else ""
+        hit, new_text = self.stop_checker.update(text, final=reason is not None)
+        self.output_text += new_text
+        if hit:
+            reason = FinishReason.STOP
+        if reason is not None:
+            self.finish(reason)
+        return new_text
+
+    def _append(self, token_id: int, eos_token_id: int | None) -> FinishReason | None:
         if self.is_finished:
             raise RuntimeError(f"request {self.request_id!r} is finished ({self.finish_reason}); cannot append")
         _check_token_ids([token_id], "token ids")
         if self.matcher is not None:
             self.matcher.advance(token_id)
         self.output_token_ids.append(token_id)
-        p = self.params
-        stop = (not p.ignore_eos and token_id == eos_token_id) or token_id in p.stop_token_ids
-        if stop or (self.matcher is not None and self.matcher.finished):
-            self.finish(FinishReason.STOP)
-        elif self.num_output_tokens >= p.max_tokens:
-            self.finish(FinishReason.LENGTH)
-        return self.finish_reason
-
-    def append_output(self, token_id: int, eos_token_id: int | None = None) -> str:
-        """append_token, then the text it adds to the stream: detokenised, cut at a stop string (which
-        finishes the request), with a possible start of a stop string held back until it is decided."""
-        reason = self.append_token(token_id, eos_token_id)
-        text = self.detokenizer.step(self.output_token_ids, final=reason is not None) if self.detokenizer else ""
-        hit, new_text = self.stop_checker.update(text, final=reason is not None)
-        if hit and reason is None:
-            self.finish(FinishReason.STOP)
-        self.output_text += new_text
-        return new_text
+        complete = self.matcher is not None and self.matcher.finished
+        return end_reason(self.params, token_id, self.num_output_tokens, eos_token_id, complete)
 
     def finish(self, reason: FinishReason) -> None:
         """Mark finished. The first reason sticks: an abort that arrives after a stop changes nothing."""

@@ -299,7 +299,7 @@ def _routes(app: FastAPI, srv: Server) -> None:
                 logprobs[j].add(out.logprobs)
             delta = choice.feed(out.new_token_ids, out.finished)
             if choice.stopped and not out.finished:
-                run.choices[j].handle.cancel()
+                run.choices[j].handle.cancel("stop")  # the engine ends it with the reason the client is told
             return delta.to_openai(), choice.finish_reason(out.finish_reason) if choice.done else None
 
         def chunk(choices: list[dict], usage: dict | None = None) -> dict:

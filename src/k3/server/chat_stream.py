@@ -17,7 +17,7 @@ class ChatChoice:
         self.stop = StopChecker(stop)
         self.deltas: list[ChatDelta] = []
         self.done = False
-        self.stopped = False  # a stop string ended the content: the engine request is cancelled
+        self.stopped = False  # a stop string ended the content: the engine request is ended with "stop"
         self.has_tool_calls = False  # a complete call was returned (the parser returns no other)
 
     def feed(self, token_ids: list[int], final: bool) -> ChatDelta:

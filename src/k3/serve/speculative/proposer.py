@@ -1,7 +1,9 @@
 """The engine's use of the draft: after each step, proposals for every request that just produced a token.
 
 A request that decodes next step (its tokens all computed but the newest) gets up to k proposals, fewer
-when its max_tokens or the context leave less room (a verify step emits at most k + 1 tokens). Greedy
+when the end-of-request rule leaves less room (k3.serve.sequence.end_reason: a verify step emits at most
+k + 1 tokens, and a request ends by length at max_tokens; the context never binds sooner, since admission
+checks prompt + max_tokens against it). Greedy
 requests propose the draft's argmax. Sampled ones use the draft's distribution q under their own
 temperature, top-k and top-p: a seeded request proposes the race winner argmax q / E with its own noise
 for each position (k3.serve.sampling.position_noise; verification then compares race winners), an
@@ -17,22 +19,21 @@ from k3.spec.draft import DraftModel
 
 
 class Proposer:
-    def __init__(self, draft: DraftModel, max_model_len: int, num_speculative_tokens: int | None = None):
-        self.draft, self.max_model_len = draft.eval(), max_model_len
+    def __init__(self, draft: DraftModel, num_speculative_tokens: int | None = None):
+        self.draft = draft.eval()
         self.k = draft.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         if not isinstance(self.k, int) or self.k < 0:
             raise ValueError(f"num_speculative_tokens must be an int >= 0, got {self.k!r}")
 
     def room(self, seq: Sequence) -> int:
-        """Proposals seq can use: k, bounded by its remaining max_tokens (minus the bonus) and the context;
-        none for a request with a grammar. The draft proposes from its unmasked distribution, so proposals
-        would break the grammar, and the tokens verification gives after them would need the big model's
+        """Proposals seq can use: k, bounded by the tokens it may still produce (Sequence.tokens_left) minus
+        the bonus token; none for a request with a grammar. The draft proposes from its unmasked distribution,
+        so proposals would break the grammar, and the tokens verification gives after them would need the big model's
         logits masked at every proposal, i.e. the matcher advanced over proposals that may then be rejected,
         which it cannot take back: such requests decode one token a step."""
         if seq.matcher is not None:
             return 0
-        return max(0, min(self.k, seq.params.max_tokens - seq.num_output_tokens - 1,
-                          self.max_model_len - seq.num_tokens))  # fmt: skip
+        return max(0, min(self.k, seq.tokens_left - 1))
 
     @torch.no_grad()
     def propose(self, seqs: list[Sequence], summaries: list[torch.Tensor]) -> None:

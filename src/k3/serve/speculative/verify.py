@@ -25,6 +25,7 @@ Shape suffixes: K proposals, V vocabulary.
 import torch
 
 from k3.serve.sampling import SamplingParams, position_noise, race, request_probs
+from k3.serve.sequence import end_reason
 
 
 def accept_greedy(best: list[int], proposals_K: list[int]) -> list[int]:
@@ -36,8 +37,9 @@ def accept_greedy(best: list[int], proposals_K: list[int]) -> list[int]:
     return best[: n + 1]
 
 
-def accept_sampled(p_KV: torch.Tensor, q_KV: torch.Tensor, proposals_K: list[int],
-                   generator: torch.Generator | None) -> list[int]:  # fmt: skip
+def accept_sampled(
+    p_KV: torch.Tensor, q_KV: torch.Tensor, proposals_K: list[int], generator: torch.Generator | None
+) -> list[int]:
     """p (K+1, V) the big model's distributions at the verified positions, q (K, V) the draft's that the
     proposals were drawn from -> the new tokens (accepted proposals, then a residual or bonus draw)."""
     K = len(proposals_K)
@@ -58,12 +60,19 @@ def accept_sampled(p_KV: torch.Tensor, q_KV: torch.Tensor, proposals_K: list[int
     return [*proposals_K, int(torch.multinomial(p_KV[K], 1, generator=generator)[0])]
 
 
-def verify(big_logits_KV: torch.Tensor, proposals_K: list[int], params: SamplingParams, position: int,
-           draft_probs_KV: torch.Tensor | None = None, eos_token_id: int | None = None,
-           best: list[int] | None = None) -> list[int]:  # fmt: skip
+def verify(
+    big_logits_KV: torch.Tensor,
+    proposals_K: list[int],
+    params: SamplingParams,
+    position: int,
+    draft_probs_KV: torch.Tensor | None = None,
+    eos_token_id: int | None = None,
+    best: list[int] | None = None,
+) -> list[int]:
     """One proposal row: the big model's logits (K+1, V) at its positions -> the tokens it emits, cut after
-    the first one that ends the request (eos unless ignore_eos, a stop token id): nothing after it exists.
-    position: the output position of the first of them (a seeded request's noise is keyed by it);
+    the first one that ends the request (k3.serve.sequence.end_reason, the engine's own rule): nothing after
+    it exists. position: the output position of the first of them, i.e. the request's output tokens so far
+    (a seeded request's noise is keyed by it; the end rule counts from it);
     draft_probs: the draft distributions an unseeded sampled request's proposals were drawn from;
     best: the argmax of those logits when the caller took it for the whole step at once (one device read)."""
     K = len(proposals_K)
@@ -79,6 +88,6 @@ def verify(big_logits_KV: torch.Tensor, proposals_K: list[int], params: Sampling
         p = request_probs(big_logits_KV[: K + 1], [params] * (K + 1))
         tokens = accept_sampled(p, draft_probs_KV[:K], proposals_K, None)
     for i, t in enumerate(tokens):
-        if (t == eos_token_id and not params.ignore_eos) or t in params.stop_token_ids:
+        if end_reason(params, t, position + i + 1, eos_token_id) is not None:
             return tokens[: i + 1]
     return tokens
