@@ -201,14 +201,16 @@ def test_k3_serve_mounts_the_demo_at_demo_routing():
 
     tokenizer = byte_tokenizer()
     engine = ScriptedEngine(tokenizer, tokenizer.vocab_size, lambda ids, params: [])
-    app = create_app(engine, "tiny", ServerLimits(max_model_len=64, max_tokens=8, max_n=1), api_key="sekrit")
+    app = create_app(engine, "tiny", ServerLimits(max_model_len=64, max_tokens=8, max_n=1))
     client = TestClient(app)
-    page = client.get("/demo/routing")  # redirected to /demo/routing/; the API key guards /v1 only
+    page = client.get("/demo/routing")  # redirected to /demo/routing/
     assert page.status_code == 200 and page.content == static_file("routing.html")
     answer = client.get("/demo/routing/api/route?rule=topk&batches=2")
     assert answer.status_code == 200 and answer.json() == route_query({"rule": "topk", "batches": "2"})[1]
     assert client.get("/demo/routing/api/route?experts=0").status_code == 400
-    assert client.get("/v1/models").status_code == 401
+    # a server with an API key does not offer the demo: it is open to anyone and costs CPU beside the engine
+    keyed = TestClient(create_app(engine, "tiny", ServerLimits(max_model_len=64), api_key="sekrit"))
+    assert keyed.get("/demo/routing/api/limits").status_code == 404 and keyed.get("/v1/models").status_code == 401
 
 
 def test_k3_plot_routing_writes_a_png(tmp_path, capsys):

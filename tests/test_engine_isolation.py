@@ -54,10 +54,10 @@ POISON = 987654321  # the seed of the request whose sampling raises
 
 
 def poisoned_sample(real):
-    def sample(logits, params, positions):
+    def sample(logits, params, *args):
         if any(p.seed == POISON for p in params):
             raise RuntimeError("Overflow when unpacking long long")
-        return real(logits, params, positions)
+        return real(logits, params, *args)
 
     return sample
 

@@ -66,7 +66,7 @@ def test_greedy_is_argmax():
 
 
 def test_row_count_mismatch():
-    with pytest.raises(ValueError, match="one SamplingParams and one position per row"):
+    with pytest.raises(ValueError, match=r"one SamplingParams, one position \(and one mask, if any\) per row"):
         sample(torch.zeros(2, 4), [SamplingParams()], [0, 0])
 
 
