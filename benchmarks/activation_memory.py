@@ -69,10 +69,12 @@ def by_component(batch: int, seq_len: int) -> dict[str, int]:
         tags.pop()
 
     for layer in model.model.layers:
-        parts = [(layer, "AttnRes mixing and norms"),
-                 (layer.self_attn, "KDA attention" if layer.kind == "kda" else "MLA attention"),
-                 (getattr(layer, "mlp", None), "dense FFN"),
-                 (getattr(layer, "block_sparse_moe", None), "MoE")]  # fmt: skip
+        parts = [
+            (layer, "AttnRes mixing and norms"),
+            (layer.self_attn, "KDA attention" if layer.kind == "kda" else "MLA attention"),
+            (getattr(layer, "mlp", None), "dense FFN"),
+            (getattr(layer, "block_sparse_moe", None), "MoE"),
+        ]
         for module, name in parts:
             if module is not None:
                 module.register_forward_pre_hook(lambda m, i, name=name: tags.append(name))
@@ -115,17 +117,25 @@ def main() -> None:
         return
     rows = []
     for system in ("llama", "k3", "k3 + checkpointing"):
-        out = subprocess.run([sys.executable, __file__, "--one", system, "--batch", str(args.batch),
-                              "--seq-len", str(args.seq_len)], capture_output=True, text=True, check=True)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", system, "--batch", str(args.batch), "--seq-len", str(args.seq_len)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     llama = rows[0]
-    print(f"{datetime.date.today()}, {platform.machine()}, torch {torch.__version__}, fp32, 2 threads, "
-          f"{args.batch} × {args.seq_len} tokens\n")  # fmt: skip
+    print(
+        f"{datetime.date.today()}, {platform.machine()}, torch {torch.__version__}, fp32, 2 threads, "
+        f"{args.batch} × {args.seq_len} tokens\n"
+    )
     print("| system | peak RSS growth MB | ÷ Llama | kept for the backward MB | ÷ Llama |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['system']} | {r['peak_growth_mb']:.0f} | {r['peak_growth_mb'] / llama['peak_growth_mb']:.2f} "
-              f"| {r['saved_mb']:.0f} | {r['saved_mb'] / llama['saved_mb']:.2f} |")  # fmt: skip
+        print(
+            f"| {r['system']} | {r['peak_growth_mb']:.0f} | {r['peak_growth_mb'] / llama['peak_growth_mb']:.2f} "
+            f"| {r['saved_mb']:.0f} | {r['saved_mb'] / llama['saved_mb']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

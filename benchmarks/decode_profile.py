@@ -29,9 +29,23 @@ from k3.serve.scheduler import SchedulerConfig
 
 # ops that only move data: their bytes are "bytes moved" (gathers, scatters, copies, concatenations)
 MOVES = {
-    "index", "index_select", "index_copy_", "index_copy", "index_put_", "copy_", "cat", "stack", "clone",
-    "_to_copy", "gather", "scatter_", "contiguous", "expand_copy", "_unsafe_index_put", "index_add_",
-}  # fmt: skip
+    "index",
+    "index_select",
+    "index_copy_",
+    "index_copy",
+    "index_put_",
+    "copy_",
+    "cat",
+    "stack",
+    "clone",
+    "_to_copy",
+    "gather",
+    "scatter_",
+    "contiguous",
+    "expand_copy",
+    "_unsafe_index_put",
+    "index_add_",
+}
 
 
 class OpCounter(TorchDispatchMode):
@@ -65,8 +79,9 @@ def decoding_engine(model: K3Model, batch: int, context: int, seed: int = 0) -> 
     """An engine whose `batch` requests have each prefilled `context` tokens and decoded one: every
     later step is `batch` decode rows."""
     sched = SchedulerConfig(max_num_seqs=max(64, batch), max_batched_tokens=4096)
-    eng = LLMEngine(model, byte_tokenizer(), EngineConfig(memory_budget=256 << 20, enable_prefix_caching=False,
-                                                          scheduler=sched))  # fmt: skip
+    eng = LLMEngine(
+        model, byte_tokenizer(), EngineConfig(memory_budget=256 << 20, enable_prefix_caching=False, scheduler=sched)
+    )
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for _ in range(batch):
@@ -95,10 +110,30 @@ def measure(eng: LLMEngine, steps: int, top: int) -> dict:
 
 
 # module kinds an op is charged to (the innermost enclosing one of these)
-KINDS = ("KimiDeltaAttention", "GatedMLA", "Router", "GatedMLP", "LatentMoE", "RMSNorm", "DecoderLayer",
-         "LlamaAttention", "LlamaMLP", "LlamaRMSNorm", "LlamaDecoderLayer")  # fmt: skip
-MATMULS = {"mm", "bmm", "addmm", "baddbmm", "mv", "addmv", "matmul", "linear",
-           "_scaled_dot_product_flash_attention_for_cpu"}  # fmt: skip
+KINDS = (
+    "KimiDeltaAttention",
+    "GatedMLA",
+    "Router",
+    "GatedMLP",
+    "LatentMoE",
+    "RMSNorm",
+    "DecoderLayer",
+    "LlamaAttention",
+    "LlamaMLP",
+    "LlamaRMSNorm",
+    "LlamaDecoderLayer",
+)
+MATMULS = {
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "mv",
+    "addmv",
+    "matmul",
+    "linear",
+    "_scaled_dot_product_flash_attention_for_cpu",
+}
 
 
 def ops_by_module(model: torch.nn.Module, run) -> tuple[Counter, Counter]:
@@ -183,8 +218,10 @@ def floor(model: K3Model, context: int, steps: int) -> None:
 
     unit = op_cost_us()
     print(f"\n## the eager floor, batch 1 at {context} tokens (cheapest op here: {unit:.2f} µs)")
-    print("| system | aten ops | of which matmuls | ms per step | matmul self ms | other self ms | "
-          "floor ms (matmul + ops × cheapest op) |")  # fmt: skip
+    print(
+        "| system | aten ops | of which matmuls | ms per step | matmul self ms | other self ms | "
+        "floor ms (matmul + ops × cheapest op) |"
+    )
     print("|---|---|---|---|---|---|---|")
     rows = {}
     for name, mod, run in (("k3 engine step", model, eng.step), ("Llama + KV cache", llama, llama_step)):
@@ -192,8 +229,7 @@ def floor(model: K3Model, context: int, steps: int) -> None:
         n, n_mm = sum(ops.values()), sum(c for o, c in ops.items() if o in MATMULS)
         ms, mm_ms, other_ms = self_ms(run, steps)
         rows[name] = (per, n)
-        print(f"| {name} | {n:,} | {n_mm} | {ms:.1f} | {mm_ms:.1f} | {other_ms:.1f} | "
-              f"{mm_ms + n * unit / 1e3:.1f} |")  # fmt: skip
+        print(f"| {name} | {n:,} | {n_mm} | {ms:.1f} | {mm_ms:.1f} | {other_ms:.1f} | {mm_ms + n * unit / 1e3:.1f} |")
     for name, (per, _) in rows.items():
         print(f"\n{name}, ops by module: " + ", ".join(f"{k} {c}" for k, c in per.most_common()))
 
@@ -219,9 +255,11 @@ def main() -> None:
         context = args.context_1 if batch == 1 else args.context_64
         r = measure(decoding_engine(model, batch, context), args.steps, args.top)
         total = sum(r["ops"].values())
-        print(f"\n## batch {batch}, context {context}: {total} aten ops per step, "
-              f"{sum(r['moved'].values()) / 1e6:.2f} MB moved by gathers/scatters/copies/cats, "
-              f"{r['ms']:.1f} ms per step (median of {r['steps']}, noisy)")  # fmt: skip
+        print(
+            f"\n## batch {batch}, context {context}: {total} aten ops per step, "
+            f"{sum(r['moved'].values()) / 1e6:.2f} MB moved by gathers/scatters/copies/cats, "
+            f"{r['ms']:.1f} ms per step (median of {r['steps']}, noisy)"
+        )
         print("ops per step: " + ", ".join(f"{n} {c}" for n, c in r["ops"].most_common(20)))
         print("MB moved per step: " + ", ".join(f"{n} {b / 1e6:.2f}" for n, b in r["moved"].most_common(8)))
         print(f"\nself time over {r['steps']} profiled steps:\n{r['table']}")

@@ -32,17 +32,48 @@ def finished(run: Path, steps: int) -> bool:
 
 def commands(a) -> list[tuple[str, list[str]]]:
     """(folder name, k3 arguments) of every run, teachers first."""
-    train = ["train", "--init-from", a.base, "--batch-size", "4", "--seq-len", "128", "--lr", "1e-3", "--warmup", "5",
-             "--eval-batches", "2", "--no-progress"]  # fmt: skip
+    train = [
+        "train",
+        "--init-from",
+        a.base,
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "128",
+        "--lr",
+        "1e-3",
+        "--warmup",
+        "5",
+        "--eval-batches",
+        "2",
+        "--no-progress",
+    ]
     t = str(a.teacher_steps)
-    runs = [(f"teacher-{d}", [*train, "--data", d, "--steps", t, "--eval-every", t, "--ckpt-every", t])
-            for d in DOMAINS]  # fmt: skip
+    runs = [
+        (f"teacher-{d}", [*train, "--data", d, "--steps", t, "--eval-every", t, "--ckpt-every", t]) for d in DOMAINS
+    ]
     g = str(a.generalist_steps)
-    runs.append(("teacher-all", [*train, "--data", "+".join(DOMAINS), "--steps", g, "--eval-every", g,
-                                 "--ckpt-every", g]))  # fmt: skip
-    distill = ["distill", "--student", a.base, "--steps", str(a.student_steps), "--batch-size", "8",
-               "--max-new-tokens", str(a.max_new_tokens), "--lr", "1e-3", "--warmup", "3", "--ckpt-every", "10",
-               "--no-progress"]  # fmt: skip
+    runs.append(
+        ("teacher-all", [*train, "--data", "+".join(DOMAINS), "--steps", g, "--eval-every", g, "--ckpt-every", g])
+    )
+    distill = [
+        "distill",
+        "--student",
+        a.base,
+        "--steps",
+        str(a.student_steps),
+        "--batch-size",
+        "8",
+        "--max-new-tokens",
+        str(a.max_new_tokens),
+        "--lr",
+        "1e-3",
+        "--warmup",
+        "3",
+        "--ckpt-every",
+        "10",
+        "--no-progress",
+    ]
     work = Path(a.work)
     specialists = [x for d in DOMAINS for x in ("--teacher", f"{d}={work / f'teacher-{d}'}")]
     runs.append(("student-multi", [*distill, *specialists]))
@@ -87,9 +118,14 @@ def table(a) -> list[dict]:
     from k3.distill.evaluate import evaluate_domains
 
     work = Path(a.work)
-    models = [("base", Path(a.base)), *[(f"teacher-{d}", work / f"teacher-{d}") for d in DOMAINS],
-              ("teacher-all", work / "teacher-all"), ("student-multi", work / "student-multi"),
-              ("student-general", work / "student-general"), ("student-sft", work / "student-sft")]  # fmt: skip
+    models = [
+        ("base", Path(a.base)),
+        *[(f"teacher-{d}", work / f"teacher-{d}") for d in DOMAINS],
+        ("teacher-all", work / "teacher-all"),
+        ("student-multi", work / "student-multi"),
+        ("student-general", work / "student-general"),
+        ("student-sft", work / "student-sft"),
+    ]
     rows = []
     for name, path in models:
         if a.only and name not in a.only:
@@ -110,8 +146,11 @@ def markdown(rows: list[dict]) -> str:
     head = ["model", *[f"{d} loss" for d in DOMAINS], *[f"{d} acc" for d in REASONING_DOMAINS]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["model"], *[f"{r[d]['val_loss']:.3f}" for d in DOMAINS],
-                 *[f"{r[d]['accuracy']:.2f}" for d in REASONING_DOMAINS]]  # fmt: skip
+        cells = [
+            r["model"],
+            *[f"{r[d]['val_loss']:.3f}" for d in DOMAINS],
+            *[f"{r[d]['accuracy']:.2f}" for d in REASONING_DOMAINS],
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -59,10 +59,29 @@ def main() -> None:
     data = Path(sysconfig.get_paths()["stdlib"]) / "asyncio"
 
     def flags(steps: int) -> list[str]:
-        return ["--preset", args.preset, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-                "--steps", str(steps), "--warmup", "2", "--eval-every", str(10 * args.steps), "--eval-batches", "1",
-                "--ckpt-every", str(10 * args.steps), "--vocab-size", "4096", "--data", str(data),
-                "--no-progress"]  # fmt: skip
+        return [
+            "--preset",
+            args.preset,
+            "--batch-size",
+            str(args.batch_size),
+            "--seq-len",
+            str(args.seq_len),
+            "--steps",
+            str(steps),
+            "--warmup",
+            "2",
+            "--eval-every",
+            str(10 * args.steps),
+            "--eval-batches",
+            "1",
+            "--ckpt-every",
+            str(10 * args.steps),
+            "--vocab-size",
+            "4096",
+            "--data",
+            str(data),
+            "--no-progress",
+        ]
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -84,10 +103,14 @@ def main() -> None:
                 print(f"round {r + 1} {name}: {results[name][-1]:.0f} tokens/s", flush=True)
     one = statistics.median(results["1 process"])
     load = os.getloadavg()
-    print(f"\n{datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min) at the end")  # fmt: skip
-    print(f"{args.preset} preset, global batch {args.batch_size} × {args.seq_len} tokens, {args.steps} steps, "
-          f"{args.rounds} rounds, 1 thread per process\n")  # fmt: skip
+    print(
+        f"\n{datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min) at the end"
+    )
+    print(
+        f"{args.preset} preset, global batch {args.batch_size} × {args.seq_len} tokens, {args.steps} steps, "
+        f"{args.rounds} rounds, 1 thread per process\n"
+    )
     print("| configuration | tokens/s (median of rounds) | vs 1 process | scaling efficiency |")
     print("|---|---|---|---|")
     for name, values in results.items():

@@ -141,13 +141,21 @@ def throughput(k3: K3Model, llama: LlamaForCausalLM, args) -> dict:
         # HF: one left-padded batch of all N (every prompt is P tokens, so the mask is all ones)
         t0 = time.perf_counter()
         ll_out = llama.generate(
-            input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=O, min_new_tokens=O,
-            do_sample=False, use_cache=True, pad_token_id=0,
-        )  # fmt: skip
+            input_ids=prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=O,
+            min_new_tokens=O,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=0,
+        )
         ll_s.append(time.perf_counter() - t0)
         assert ll_out.shape == (N, P + O), f"Llama generated {ll_out.shape[1] - P} tokens, not {O}"
-        print(f"  round {r + 1}: engine {N * O / eng_s[-1]:.0f} out tok/s, one-at-a-time "
-              f"{N * O / seq_s[-1]:.0f}, Llama generate {N * O / ll_s[-1]:.0f}", flush=True)  # fmt: skip
+        print(
+            f"  round {r + 1}: engine {N * O / eng_s[-1]:.0f} out tok/s, one-at-a-time "
+            f"{N * O / seq_s[-1]:.0f}, Llama generate {N * O / ll_s[-1]:.0f}",
+            flush=True,
+        )
     return {
         "engine_s": statistics.median(eng_s),
         "sequential_s": statistics.median(seq_s),
@@ -305,11 +313,18 @@ def plot_memory(small: K3Config, llama_cfg, measured: list[dict], path: Path) ->
     c = param_report(full)["cache"]
     ax_full.plot(contexts, [c["kda_state_bytes_per_sequence"]] * len(contexts), label="KDA states (constant)")
     ax_full.plot(contexts, [c["mla_bytes_per_token"] * T for T in contexts], label="MLA latents (linear)")
-    ax_full.plot(contexts, [c["kda_state_bytes_per_sequence"] + c["mla_bytes_per_token"] * T for T in contexts],
-                 "k--", lw=1, label="K3 total (KDA + MLA)")  # fmt: skip
-    ax_full.plot(contexts, [c["mha_bytes_per_token"] * T for T in contexts],
-                 label=f"MHA KV cache, same heads ({full.layer_types.count('mla')} layers × "
-                       f"{full.num_attention_heads} heads)")  # fmt: skip
+    ax_full.plot(
+        contexts,
+        [c["kda_state_bytes_per_sequence"] + c["mla_bytes_per_token"] * T for T in contexts],
+        "k--",
+        lw=1,
+        label="K3 total (KDA + MLA)",
+    )
+    ax_full.plot(
+        contexts,
+        [c["mha_bytes_per_token"] * T for T in contexts],
+        label=f"MHA KV cache, same heads ({full.layer_types.count('mla')} layers × {full.num_attention_heads} heads)",
+    )
     ax_full.set_title("full K3 (k3 params: bf16 latents and KV, fp32 KDA state S)")
 
     L = PageLayout.from_config(small)
@@ -322,9 +337,12 @@ def plot_memory(small: K3Config, llama_cfg, measured: list[dict], path: Path) ->
         ("KDA state pages (constant)", lambda T: L.n_kda * pb, [m["state_bytes"] for m in measured]),
         ("MLA latent pages (linear)", lambda T: L.latent_pages(T) * pb, [m["latent_bytes"] for m in measured]),
         (f"MHA KV cache, same heads ({n_mla} layers × {H} heads)", lambda T: mha * T, None),
-        (f"Llama peer: past_key_values ({llama_cfg.num_hidden_layers} layers)", lambda T: llama * T,
-         [m["llama_bytes"] for m in measured]),
-    ]  # fmt: skip
+        (
+            f"Llama peer: past_key_values ({llama_cfg.num_hidden_layers} layers)",
+            lambda T: llama * T,
+            [m["llama_bytes"] for m in measured],
+        ),
+    ]
     for label, fn, points in lines:
         (line,) = ax_small.plot(contexts, [fn(T) for T in contexts], label=label)
         if points:
@@ -379,12 +397,16 @@ def main() -> None:
     lcfg.max_position_embeddings = max(args.contexts) + 256
     llama = LlamaForCausalLM(lcfg).eval()
     llama_params = sum(p.numel() for p in llama.parameters())
-    print(f"serving, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}; {cpu_name()}")  # fmt: skip
-    print(f"K3 small: {report['active'] / 1e6:.2f}M active ({config.layer_types.count('kda')} KDA + "
-          f"{config.layer_types.count('mla')} MLA layers); Llama: "
-          f"{llama_params / 1e6:.2f}M ({lcfg.num_hidden_layers} layers, {lcfg.num_attention_heads} heads, "
-          f"MLP {lcfg.intermediate_size})")  # fmt: skip
+    print(
+        f"serving, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}; {cpu_name()}"
+    )
+    print(
+        f"K3 small: {report['active'] / 1e6:.2f}M active ({config.layer_types.count('kda')} KDA + "
+        f"{config.layer_types.count('mla')} MLA layers); Llama: "
+        f"{llama_params / 1e6:.2f}M ({lcfg.num_hidden_layers} layers, {lcfg.num_attention_heads} heads, "
+        f"MLP {lcfg.intermediate_size})"
+    )
     print(new_engine(k3, False, 512).describe(), flush=True)
 
     N, P, O = args.requests, args.prompt, args.output
@@ -394,12 +416,16 @@ def main() -> None:
     dec = []
     for ctx in args.contexts:
         dec.append(prefill_at(k3, llama, ctx, max_tokens=args.decode_rounds * 2 * DECODE_STEPS + 8))
-        print(f"  {ctx}: prefill k3 {dec[-1]['k3_prefill_s']:.1f} s, Llama {dec[-1]['llama_prefill_s']:.1f} s",
-              flush=True)  # fmt: skip
+        print(
+            f"  {ctx}: prefill k3 {dec[-1]['k3_prefill_s']:.1f} s, Llama {dec[-1]['llama_prefill_s']:.1f} s", flush=True
+        )
     decode_rounds(llama, dec, args.decode_rounds)
     for d in dec:
-        print(f"  {d['context']}: decode k3 {d['engine_ms']:.1f} ms (naive MLA forced {d['naive_ms']:.1f}), "
-              f"Llama {d['llama_ms']:.1f} ms", flush=True)  # fmt: skip
+        print(
+            f"  {d['context']}: decode k3 {d['engine_ms']:.1f} ms (naive MLA forced {d['naive_ms']:.1f}), "
+            f"Llama {d['llama_ms']:.1f} ms",
+            flush=True,
+        )
     print("(d) time to first token with a cached prefix", flush=True)
     tt = ttft(k3, 4096, 128, ttft_reps)
     plot_memory(config, lcfg, dec, Path(args.plot))
@@ -434,9 +460,11 @@ def main() -> None:
         "|---|---|---|---|---|---|---|",
     ]
     for d in dec:
-        lines.append(f"| {d['context']:,} | {d['engine_ms']:.1f} | {d['naive_ms']:.1f} | {d['llama_ms']:.1f} "
-                     f"| {d['engine_ms'] / d['llama_ms']:.2f} | {d['k3_prefill_s']:.1f} "
-                     f"| {d['llama_prefill_s']:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {d['context']:,} | {d['engine_ms']:.1f} | {d['naive_ms']:.1f} | {d['llama_ms']:.1f} "
+            f"| {d['engine_ms'] / d['llama_ms']:.2f} | {d['k3_prefill_s']:.1f} "
+            f"| {d['llama_prefill_s']:.1f} |"
+        )
     lines += [
         "",
         "**(c) decode state per token** after the prefill of (b), fp32 both: k3 = pages held in the engine's pool "
@@ -450,9 +478,11 @@ def main() -> None:
     for d in dec:
         c = d["context"]
         k3_b = (d["latent_bytes"] + d["state_bytes"]) / c
-        lines.append(f"| {c:,} | {d['latent_pages']} + {d['state_pages']} × {d['page_bytes']:,} B "
-                     f"| {d['latent_bytes'] / c:.0f} | {d['state_bytes'] / c:.1f} | {k3_b:.0f} "
-                     f"| {d['llama_bytes'] / c:.0f} | 1/{d['llama_bytes'] / c / k3_b:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {c:,} | {d['latent_pages']} + {d['state_pages']} × {d['page_bytes']:,} B "
+            f"| {d['latent_bytes'] / c:.0f} | {d['state_bytes'] / c:.1f} | {k3_b:.0f} "
+            f"| {d['llama_bytes'] / c:.0f} | 1/{d['llama_bytes'] / c / k3_b:.1f} |"
+        )
     lines += [
         "",
         f"**(d) time to first token**, {tt['prefix']:,}-token prefix cached + {tt['new']} new tokens, medians of "
@@ -493,16 +523,20 @@ def main() -> None:
         f"{tt['max_abs_diff']:.1e}",
     ]
     if args.quick:
-        lines.append("- (--quick is a smoke test: the 16K goals are checked at 4K, and its prefill-heavy 16 / 128 / 32 "
-                     "shape is not the one the throughput goals are set for)")  # fmt: skip
+        lines.append(
+            "- (--quick is a smoke test: the 16K goals are checked at 4K, and its prefill-heavy 16 / 128 / 32 "
+            "shape is not the one the throughput goals are set for)"
+        )
     print()
     if args.markdown:
-        print(f"{datetime.date.today()}, {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-              f"transformers {transformers.__version__}, fp32, random weights. K3 small "
-              f"({report['active'] / 1e6:.2f}M active) vs `LlamaForCausalLM` ({llama_params / 1e6:.2f}M, "
-              f"{lcfg.num_hidden_layers} layers, MLP {lcfg.intermediate_size}). Page pool {POOL_BYTES >> 20} MiB; "
-              f"plot: `{Path(args.plot).relative_to(ROOT) if Path(args.plot).is_relative_to(ROOT) else args.plot}`."
-              "\n")  # fmt: skip
+        print(
+            f"{datetime.date.today()}, {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}, fp32, random weights. K3 small "
+            f"({report['active'] / 1e6:.2f}M active) vs `LlamaForCausalLM` ({llama_params / 1e6:.2f}M, "
+            f"{lcfg.num_hidden_layers} layers, MLP {lcfg.intermediate_size}). Page pool {POOL_BYTES >> 20} MiB; "
+            f"plot: `{Path(args.plot).relative_to(ROOT) if Path(args.plot).is_relative_to(ROOT) else args.plot}`."
+            "\n"
+        )
     print("\n".join(lines))
     print(f"\nwall time {time.perf_counter() - start:.0f} s; memory plot written to {args.plot}")
 

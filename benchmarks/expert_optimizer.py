@@ -57,8 +57,9 @@ class Run:
         torch.manual_seed(args.seed)
         self.model = K3Model(config).train()
         self.balancer = QuantileBalancer(self.model)
-        self.optimizer = build_optimizer(self.model, lr=args.lr, weight_decay=0.1, expert_optimizer=expert_optimizer,
-                                         expert_ns_steps=ns_steps)  # fmt: skip
+        self.optimizer = build_optimizer(
+            self.model, lr=args.lr, weight_decay=0.1, expert_optimizer=expert_optimizer, expert_ns_steps=ns_steps
+        )
         params = dict(self.model.named_parameters())
         self.experts = [params[n] for n in sorted(routed_expert_weights(self.model))]
         self.step_s: list[float] = []
@@ -142,24 +143,30 @@ def main() -> None:
     cache.mkdir(parents=True, exist_ok=True)
     train_docs, val_docs = load_corpus(None, 0.02, log=print)
     tokenizer = prepare_tokenizer(cache, train_docs, 8192)
-    train = PackedSequences(cached_pack(cache / "train_tokens.npy", train_docs[:: args.doc_stride], tokenizer),
-                            args.seq_len, args.seed)  # fmt: skip
+    train = PackedSequences(
+        cached_pack(cache / "train_tokens.npy", train_docs[:: args.doc_stride], tokenizer), args.seq_len, args.seed
+    )
     val = PackedSequences(cached_pack(cache / "val_tokens.npy", val_docs, tokenizer), args.seq_len, 0)
     val_batches = val.fixed_batches(args.val_batches, args.batch_size)
     config = K3Config.from_preset("small", vocab_size=tokenizer.vocab_size)
     runs = [Run(label, opt, ns, config, args) for label, opt, ns in ALTERNATIVES]
-    print(f"small preset, {args.steps} steps of {args.batch_size} × {args.seq_len} tokens, seed {args.seed}, "
-          f"lr {args.lr} (warmup {args.warmup}, cosine to 0.1), {torch.get_num_threads()} threads; training stream "
-          f"{train.num_sequences} sequences, validation {len(val_batches)} × {args.batch_size} × {args.seq_len}",
-          flush=True)  # fmt: skip
+    print(
+        f"small preset, {args.steps} steps of {args.batch_size} × {args.seq_len} tokens, seed {args.seed}, "
+        f"lr {args.lr} (warmup {args.warmup}, cosine to 0.1), {torch.get_num_threads()} threads; training stream "
+        f"{train.num_sequences} sequences, validation {len(val_batches)} × {args.batch_size} × {args.seq_len}",
+        flush=True,
+    )
     for step in range(args.steps):
         batch = train.batch(step * args.batch_size, args.batch_size)
         factor = lr_at(step, args.steps, min(args.warmup, args.steps))
         for run in runs:  # lockstep: one step of each alternative in turn
             run.step(batch, factor)
         if (step + 1) % 10 == 0:
-            print(f"step {step + 1}: " + ", ".join(f"{r.label} loss {r.losses[-1]:.3f} opt {1e3 * r.opt_s[-1]:.0f} ms"
-                                                  for r in runs), flush=True)  # fmt: skip
+            print(
+                f"step {step + 1}: "
+                + ", ".join(f"{r.label} loss {r.losses[-1]:.3f} opt {1e3 * r.opt_s[-1]:.0f} ms" for r in runs),
+                flush=True,
+            )
     load_after = os.getloadavg()
 
     def med(xs: list[float]) -> float:
@@ -167,19 +174,26 @@ def main() -> None:
 
     base_opt, base_step = med(runs[0].opt_s), med(runs[0].step_s)
     base_val = runs[0].val_loss(val_batches)
-    lines = ["| routed experts' optimiser | optimiser ms/step | × (a) | step ms | × (a) | experts with tokens "
-             "| train loss (last 10) | val loss | − (a) |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| routed experts' optimiser | optimiser ms/step | × (a) | step ms | × (a) | experts with tokens "
+        "| train loss (last 10) | val loss | − (a) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for run in runs:
         opt, total = med(run.opt_s), med(run.step_s)
         v = base_val if run is runs[0] else run.val_loss(val_batches)
-        lines.append(f"| {run.label} | {1e3 * opt:.0f} | {opt / base_opt:.2f} | {1e3 * total:.0f} | "
-                     f"{total / base_step:.2f} | {100 * statistics.mean(run.active):.1f}% | "
-                     f"{statistics.mean(run.losses[-10:]):.3f} | {v:.4f} | {v - base_val:+.4f} |")  # fmt: skip
+        lines.append(
+            f"| {run.label} | {1e3 * opt:.0f} | {opt / base_opt:.2f} | {1e3 * total:.0f} | "
+            f"{total / base_step:.2f} | {100 * statistics.mean(run.active):.1f}% | "
+            f"{statistics.mean(run.losses[-10:]):.3f} | {v:.4f} | {v - base_val:+.4f} |"
+        )
     print()
     print("\n".join(lines))
-    print(f"\n{datetime.date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, torch "
-          f"{torch.__version__}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; medians over "
-          f"steps 3–{args.steps}")  # fmt: skip
+    print(
+        f"\n{datetime.date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, torch "
+        f"{torch.__version__}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; medians over "
+        f"steps 3–{args.steps}"
+    )
 
 
 if __name__ == "__main__":

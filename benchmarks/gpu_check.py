@@ -49,8 +49,11 @@ def emit(row: dict) -> dict:
     """Record a check's row and print it at once: on a lent GPU whatever finished before a time limit
     must already be on the screen."""
     CHECKS.append(row)
-    print(f"{row['check']:<7} {row['case']:<45} {row['backend']:<6} {row['dtype']:<9} err {row['err']:.2e} "
-          f"{'ok' if row['ok'] else 'FAIL'}  ({time.monotonic() - T0:.0f} s)", flush=True)  # fmt: skip
+    print(
+        f"{row['check']:<7} {row['case']:<45} {row['backend']:<6} {row['dtype']:<9} err {row['err']:.2e} "
+        f"{'ok' if row['ok'] else 'FAIL'}  ({time.monotonic() - T0:.0f} s)",
+        flush=True,
+    )
     return row
 
 
@@ -69,16 +72,36 @@ def op_inputs(B, T, H, K, HV, N, seed=0):
     gen = torch.Generator().manual_seed(seed)
     HV = HV or H
     r = lambda *s, scale=1.0: torch.randn(*s, generator=gen, dtype=torch.float64) * scale  # noqa: E731
-    return [r(B, T, H, K), r(B, T, H, K), r(B, T, HV, K), r(B, T, HV, K), r(B, T, HV), r(HV, scale=0.5),
-            r(HV * K), r(N, HV, K, K, scale=0.1)]  # fmt: skip
+    return [
+        r(B, T, H, K),
+        r(B, T, H, K),
+        r(B, T, HV, K),
+        r(B, T, HV, K),
+        r(B, T, HV),
+        r(HV, scale=0.5),
+        r(HV * K),
+        r(N, HV, K, K, scale=0.1),
+    ]
 
 
 def run_op(inputs, backend, cu):
     """Forward and backward of chunk_kda; returns [o, final state, *grads]."""
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
     q, k, v, g, beta, A_log, dt_bias, h0 = leaves
-    o, S = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, A_log=A_log, dt_bias=dt_bias,
-                     cu_seqlens=cu, backend=backend, **FLAGS)  # fmt: skip
+    o, S = chunk_kda(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=h0,
+        output_final_state=True,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        cu_seqlens=cu,
+        backend=backend,
+        **FLAGS,
+    )
     gen = torch.Generator().manual_seed(9)
     cot_o = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype)
     cot_S = torch.randn(S.shape, generator=gen, dtype=torch.float64).to(S.device, S.dtype)
@@ -97,15 +120,25 @@ def check_op(device, backends, dtypes, sizes) -> None:
                 dev = [x.to(device, dtype if i < 5 else torch.float32) for i, x in enumerate(cpu)]
                 got = run_op(dev, backend, None if cu is None else torch.tensor(cu, device=device))
                 err = max(rel(a, b) for a, b in zip(got, ref, strict=True))
-                emit(dict(check="op", case=f"{name} T={T}", backend=backend, dtype=str(dtype)[6:], err=err,
-                                 limit=limit(backend, dtype), ok=err < limit(backend, dtype)))  # fmt: skip
+                emit(
+                    dict(
+                        check="op",
+                        case=f"{name} T={T}",
+                        backend=backend,
+                        dtype=str(dtype)[6:],
+                        err=err,
+                        limit=limit(backend, dtype),
+                        ok=err < limit(backend, dtype),
+                    )
+                )
 
 
 def check_decode(device, backends) -> None:
     B, T, H, K = 4, 16, 4, 128 if device == "cuda" else 16
     q, k, v, g, beta, A_log, dt_bias, h0 = op_inputs(B, T, H, K, None, B, seed=3)
-    ref_o, ref_S = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, A_log=A_log,
-                             dt_bias=dt_bias, **FLAGS)  # fmt: skip
+    ref_o, ref_S = chunk_kda(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, A_log=A_log, dt_bias=dt_bias, **FLAGS
+    )
     for backend in backends:
         qkv = torch.cat([x.reshape(B, T, H * K) for x in (q, k, v)], dim=-1).float().to(device)
         q1, k1, v1 = (x.reshape(B, T, H, K) for x in qkv.split(H * K, dim=-1))  # views, as the layer has them
@@ -118,14 +151,31 @@ def check_decode(device, backends) -> None:
         with torch.no_grad():
             for t in range(T):
                 step = [x[:, t : t + 1] for x in (q1, k1, v1, g1, b1)]
-                o, _ = fused_recurrent_kda(*step, A1, d1, initial_state=pool, ssm_state_indices=idx,
-                                           inplace_final_state=True, backend=backend, **FLAGS)  # fmt: skip
+                o, _ = fused_recurrent_kda(
+                    *step,
+                    A1,
+                    d1,
+                    initial_state=pool,
+                    ssm_state_indices=idx,
+                    inplace_final_state=True,
+                    backend=backend,
+                    **FLAGS,
+                )
                 outs.append(o)
         err = max(rel(torch.cat(outs, dim=1), ref_o), rel(pool[idx], ref_S))
         others = [i for i in range(9) if i not in idx.tolist()]
         untouched = torch.equal(pool[others], before[others])
-        emit(dict(check="decode", case=f"B={B} pool rows, {T} steps", backend=backend, dtype="float32", err=err,
-                         limit=5e-3, ok=err < 5e-3 and untouched))  # fmt: skip
+        emit(
+            dict(
+                check="decode",
+                case=f"B={B} pool rows, {T} steps",
+                backend=backend,
+                dtype="float32",
+                err=err,
+                limit=5e-3,
+                ok=err < 5e-3 and untouched,
+            )
+        )
 
 
 def tiny_model(vocab: int) -> K3Model:
@@ -160,10 +210,28 @@ def check_model(device, backends) -> None:
         err_logits = rel(logits, ref_logits)
         err_grads = max(rel(grads[n], ref_grads[n]) for n in ref_grads)
         lim = limit(backend, torch.float32)
-        emit(dict(check="model", case="tiny logits", backend=backend, dtype="float32", err=err_logits,
-                         limit=lim, ok=err_logits < lim))  # fmt: skip
-        emit(dict(check="model", case="tiny train-step grads", backend=backend, dtype="float32",
-                         err=err_grads, limit=10 * lim, ok=err_grads < 10 * lim))  # fmt: skip
+        emit(
+            dict(
+                check="model",
+                case="tiny logits",
+                backend=backend,
+                dtype="float32",
+                err=err_logits,
+                limit=lim,
+                ok=err_logits < lim,
+            )
+        )
+        emit(
+            dict(
+                check="model",
+                case="tiny train-step grads",
+                backend=backend,
+                dtype="float32",
+                err=err_grads,
+                limit=10 * lim,
+                ok=err_grads < 10 * lim,
+            )
+        )
 
 
 def check_engine(device) -> None:
@@ -192,10 +260,28 @@ def check_engine(device) -> None:
         dev_tokens, _ = run(copy.deepcopy(model).to(device))
         bf16_tokens, bf16_states = run(copy.deepcopy(model).to(device, torch.bfloat16))
     same = sum(a == b for a, b in zip(bf16_tokens, cpu_tokens, strict=True))
-    emit(dict(check="engine", case="greedy tokens vs CPU engine", backend="auto", dtype="float32",
-              err=float(dev_tokens != cpu_tokens), limit=0.5, ok=dev_tokens == cpu_tokens))  # fmt: skip
-    emit(dict(check="engine", case=f"bf16 runs, states {str(bf16_states)[6:]}, {same}/{len(prompts)} same as fp32",
-              backend="auto", dtype="bfloat16", err=0.0, limit=0.5, ok=bf16_states == torch.float32))  # fmt: skip
+    emit(
+        dict(
+            check="engine",
+            case="greedy tokens vs CPU engine",
+            backend="auto",
+            dtype="float32",
+            err=float(dev_tokens != cpu_tokens),
+            limit=0.5,
+            ok=dev_tokens == cpu_tokens,
+        )
+    )
+    emit(
+        dict(
+            check="engine",
+            case=f"bf16 runs, states {str(bf16_states)[6:]}, {same}/{len(prompts)} same as fp32",
+            backend="auto",
+            dtype="bfloat16",
+            err=0.0,
+            limit=0.5,
+            ok=bf16_states == torch.float32,
+        )
+    )
 
 
 def bench(fn, device, repeats=10) -> float:
@@ -236,8 +322,19 @@ def timings(device, backends, lengths, deadline) -> list[dict]:
 
             def fwd(leaves=leaves, backend=backend):
                 q, k, v, g, beta, A_log, dt_bias, h0 = leaves
-                return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, A_log=A_log,
-                                 dt_bias=dt_bias, backend=backend, **FLAGS)  # fmt: skip
+                return chunk_kda(
+                    q,
+                    k,
+                    v,
+                    g,
+                    beta,
+                    initial_state=h0,
+                    output_final_state=True,
+                    A_log=A_log,
+                    dt_bias=dt_bias,
+                    backend=backend,
+                    **FLAGS,
+                )
 
             def fwd_bwd(fwd=fwd):
                 o, S = fwd()
@@ -265,8 +362,10 @@ def markdown(checks, times, header) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in checks:
-        lines.append(f"| {r['check']} | {r['case']} | {r['backend']} | {r['dtype']} | {r['err']:.2e} | "
-                     f"{r['limit']:.0e} | {'yes' if r['ok'] else '**NO**'} |")  # fmt: skip
+        lines.append(
+            f"| {r['check']} | {r['case']} | {r['backend']} | {r['dtype']} | {r['err']:.2e} | "
+            f"{r['limit']:.0e} | {'yes' if r['ok'] else '**NO**'} |"
+        )
     keys = [k for k in (times[0] if times else {}) if k != "T"]
     for r in times:
         keys += [k for k in r if k not in keys and k != "T"]
@@ -286,8 +385,11 @@ def main() -> int:
     args = ap.parse_args()
     if args.dry_run:
         device, backends = "cpu", ["torch"]
-        sizes = [("equal", 2, 70, 2, None, None), ("packed", 1, 90, 2, None, [0, 7, 40, 90]),
-                 ("gva", 1, 50, 2, 4, None)]  # fmt: skip
+        sizes = [
+            ("equal", 2, 70, 2, None, None),
+            ("packed", 1, 90, 2, None, [0, 7, 40, 90]),
+            ("gva", 1, 50, 2, 4, None),
+        ]
         lengths = [256]
     else:
         if not torch.cuda.is_available():
@@ -295,26 +397,42 @@ def main() -> int:
             return 0
         device = "cuda"
         backends = ["torch", "fla"] if fla_kda() is not None else ["torch"]
-        sizes = [("equal", 2, 1000, 4, None, None), ("packed", 1, 2500, 4, None, [0, 300, 1000, 2500]),
-                 ("gva", 1, 700, 2, 4, None)]  # fmt: skip
+        sizes = [
+            ("equal", 2, 1000, 4, None, None),
+            ("packed", 1, 2500, 4, None, [0, 300, 1000, 2500]),
+            ("gva", 1, 700, 2, 4, None),
+        ]
         lengths = [4096, 16384, 65536]
     dtypes = [torch.float32, torch.bfloat16]
     if args.quick:
         sizes, dtypes, lengths = sizes[:1], dtypes[:1], lengths[:2]
     name = torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu"
-    header = (f"{datetime.date.today()}, {name}, torch {torch.__version__}, fla {fla_version()} "
-              f"({'kernels' if 'fla' in backends else 'not used'}), python {platform.python_version()}")  # fmt: skip
+    header = (
+        f"{datetime.date.today()}, {name}, torch {torch.__version__}, fla {fla_version()} "
+        f"({'kernels' if 'fla' in backends else 'not used'}), python {platform.python_version()}"
+    )
     print(header, flush=True)
     # the recurrent kernel first: it compiles fastest and carries the in-place decode contract
-    for label, fn in [("decode", lambda: check_decode(device, backends)),
-                      ("op", lambda: check_op(device, backends, dtypes, sizes)),
-                      ("model", lambda: check_model(device, backends)),
-                      ("engine", lambda: check_engine(device))]:  # fmt: skip
+    for label, fn in [
+        ("decode", lambda: check_decode(device, backends)),
+        ("op", lambda: check_op(device, backends, dtypes, sizes)),
+        ("model", lambda: check_model(device, backends)),
+        ("engine", lambda: check_engine(device)),
+    ]:
         try:
             fn()
         except Exception as error:  # report and go on: one broken check must not hide the others
-            emit(dict(check=label, case=f"raised {type(error).__name__}: {error}"[:200], backend="-", dtype="-",
-                      err=float("nan"), limit=0.0, ok=False))  # fmt: skip
+            emit(
+                dict(
+                    check=label,
+                    case=f"raised {type(error).__name__}: {error}"[:200],
+                    backend="-",
+                    dtype="-",
+                    err=float("nan"),
+                    limit=0.0,
+                    ok=False,
+                )
+            )
     times = timings(device, backends, lengths, T0 + args.budget_s)
     table = markdown(CHECKS, times, header)
     print("\n" + table)

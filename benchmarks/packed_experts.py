@@ -33,8 +33,10 @@ def cpu_name() -> str:
     info = Path("/proc/cpuinfo")
     if info.exists():
         text = info.read_text()
-        name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
-                    platform.machine())  # fmt: skip
+        name = next(
+            (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+            platform.machine(),
+        )
         flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
         avx512 = "AVX-512" if "avx512f" in flags else "no AVX-512"
         kernels = torch.backends.cpu.get_cpu_capability()
@@ -92,8 +94,9 @@ def main() -> None:
         systems, load_s = {}, {}
         for name, quantization in (("dense fp32", None), ("MXFP4-packed", "mxfp4")):
             start = time.perf_counter()
-            systems[name] = LLM(model=str(folder), quantization=quantization, enable_prefix_caching=False,
-                                memory_budget=64 << 20)  # fmt: skip
+            systems[name] = LLM(
+                model=str(folder), quantization=quantization, enable_prefix_caching=False, memory_budget=64 << 20
+            )
             load_s[name] = time.perf_counter() - start
 
     rates: dict[tuple[str, int], list[float]] = {key: [] for key in ((s, b) for s in systems for b in batches)}
@@ -128,11 +131,13 @@ def main() -> None:
 
     config = dense_model.config
     if args.markdown:
-        print(f"{datetime.date.today()}, {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}. "
-              f"Preset {args.preset} ({config.num_hidden_layers - config.first_k_dense_replace} MoE layers × "
-              f"{config.num_experts} experts, top-{config.num_experts_per_token}), random weights exported with "
-              f"`--quantize mxfp4` ({folder_bytes:,} bytes of safetensors); prompts of {args.prompt_tokens} tokens, "
-              f"{args.new_tokens} greedy tokens each, medians of {args.rounds} rounds.\n")  # fmt: skip
+        print(
+            f"{datetime.date.today()}, {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}. "
+            f"Preset {args.preset} ({config.num_hidden_layers - config.first_k_dense_replace} MoE layers × "
+            f"{config.num_experts} experts, top-{config.num_experts_per_token}), random weights exported with "
+            f"`--quantize mxfp4` ({folder_bytes:,} bytes of safetensors); prompts of {args.prompt_tokens} tokens, "
+            f"{args.new_tokens} greedy tokens each, medians of {args.rounds} rounds.\n"
+        )
     print("\n".join(lines))
     speed = ", ".join(f"batch {b}: {r:.2f}" for b, r in zip(batches, slow, strict=True))
     print(f"\npacked ÷ dense decode speed: {speed}")

@@ -42,14 +42,27 @@ from packed_experts import cpu_name
 
 
 def trainers(args: argparse.Namespace, work: Path) -> dict[str, Trainer]:
-    common = dict(preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                  eval_batches=args.eval_batches, eval_every=args.steps, ckpt_every=args.steps, seed=args.seed,
-                  data=args.data, vocab_size=args.vocab_size, init_from=args.init_from, progress=False)  # fmt: skip
+    common = dict(
+        preset=args.preset,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        eval_batches=args.eval_batches,
+        eval_every=args.steps,
+        ckpt_every=args.steps,
+        seed=args.seed,
+        data=args.data,
+        vocab_size=args.vocab_size,
+        init_from=args.init_from,
+        progress=False,
+    )
     if args.init_from is not None:  # continuing a trained model: a constant, low lr, no warmup
         common.update(lr=args.lr, warmup=0, min_lr_ratio=1.0)
     quiet = lambda *_: None  # noqa: E731
-    return {name: Trainer(TrainArgs(out=str(work / name), qat=qat, **common), log=quiet)
-            for name, qat in (("fp", None), ("qat", "mxfp4"))}  # fmt: skip
+    return {
+        name: Trainer(TrainArgs(out=str(work / name), qat=qat, **common), log=quiet)
+        for name, qat in (("fp", None), ("qat", "mxfp4"))
+    }
 
 
 def train_side_by_side(runs: dict[str, Trainer], steps: int) -> dict[str, list[float]]:
@@ -81,8 +94,10 @@ def evaluate(model, batches, reference=None) -> tuple[float, float | None]:
 def decode_ms(models: dict[str, torch.nn.Module], tokenizer, new_tokens: int, rounds: int) -> dict[str, float]:
     """Median ms of a decode step at batch 1 after the prefill. Each model's engine holds one request, and
     their steps interleave (the order rotating each step), so a change of load reaches every model alike."""
-    engines = {n: LLMEngine(m, tokenizer, EngineConfig(memory_budget=64 << 20, enable_prefix_caching=False))
-               for n, m in models.items()}  # fmt: skip
+    engines = {
+        n: LLMEngine(m, tokenizer, EngineConfig(memory_budget=64 << 20, enable_prefix_caching=False))
+        for n, m in models.items()
+    }
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     prompt = tokenizer.encode("import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(")
     samples: dict[str, list[float]] = {n: [] for n in models}
@@ -148,14 +163,20 @@ def main() -> None:
     set_expert_quantization(ptq_packed, "mxfp4")
     qat_master = copy.deepcopy(qat_run.model.eval())
     set_expert_quantization(qat_master, None)  # (b)'s own unquantised forward
-    rows = [("(a) full precision, served fp32", fp, None),
-            ("(b) QAT, served packed (MXFP4 W, MXFP8 in)", qat_packed, qat_master),
-            ("(b) QAT master weights, unquantised", qat_master, None),
-            ("(c) PTQ of (a), served packed (MXFP4 W, MXFP8 in)", ptq_packed, fp),
-            ("(c') PTQ of (a), weight-only MXFP4", ptq_weights_only, fp)]  # fmt: skip
+    rows = [
+        ("(a) full precision, served fp32", fp, None),
+        ("(b) QAT, served packed (MXFP4 W, MXFP8 in)", qat_packed, qat_master),
+        ("(b) QAT master weights, unquantised", qat_master, None),
+        ("(c) PTQ of (a), served packed (MXFP4 W, MXFP8 in)", ptq_packed, fp),
+        ("(c') PTQ of (a), weight-only MXFP4", ptq_weights_only, fp),
+    ]
     results = [(name, *evaluate(model, batches, ref), routed_expert_bytes(model)) for name, model, ref in rows]
-    ms = decode_ms({"fp32": fp, "mxfp4 W only": ptq_weights_only, "mxfp4 W + mxfp8 in": qat_packed}, tokenizer,
-                   args.new_tokens, args.rounds)  # fmt: skip
+    ms = decode_ms(
+        {"fp32": fp, "mxfp4 W only": ptq_weights_only, "mxfp4 W + mxfp8 in": qat_packed},
+        tokenizer,
+        args.new_tokens,
+        args.rounds,
+    )
     wall = time.perf_counter() - wall
 
     tokens = args.steps * args.batch_size * args.seq_len
@@ -177,13 +198,19 @@ def main() -> None:
     med = {n: statistics.median(v) for n, v in step_s.items()}
     print("| | QAT off | QAT on | on / off |")
     print("|---|---|---|---|")
-    print(f"| train step s (median of {args.steps}, alternating) | {med['fp']:.3f} | {med['qat']:.3f} | "
-          f"{med['qat'] / med['fp']:.2f}x |")  # fmt: skip
-    print(f"| decode ms/token, batch 1 (median of {args.rounds} x {args.new_tokens - 1} interleaved steps; fp32 vs "
-          f"packed W + MXFP8 in) | {ms['fp32']:.2f} | {ms['mxfp4 W + mxfp8 in']:.2f} | "
-          f"{ms['mxfp4 W + mxfp8 in'] / ms['fp32']:.2f}x |")  # fmt: skip
-    print(f"| decode ms/token, weight-only packed (no MXFP8 inputs) | {ms['fp32']:.2f} | {ms['mxfp4 W only']:.2f} | "
-          f"{ms['mxfp4 W only'] / ms['fp32']:.2f}x |")  # fmt: skip
+    print(
+        f"| train step s (median of {args.steps}, alternating) | {med['fp']:.3f} | {med['qat']:.3f} | "
+        f"{med['qat'] / med['fp']:.2f}x |"
+    )
+    print(
+        f"| decode ms/token, batch 1 (median of {args.rounds} x {args.new_tokens - 1} interleaved steps; fp32 vs "
+        f"packed W + MXFP8 in) | {ms['fp32']:.2f} | {ms['mxfp4 W + mxfp8 in']:.2f} | "
+        f"{ms['mxfp4 W + mxfp8 in'] / ms['fp32']:.2f}x |"
+    )
+    print(
+        f"| decode ms/token, weight-only packed (no MXFP8 inputs) | {ms['fp32']:.2f} | {ms['mxfp4 W only']:.2f} | "
+        f"{ms['mxfp4 W only'] / ms['fp32']:.2f}x |"
+    )
 
 
 if __name__ == "__main__":

@@ -66,8 +66,9 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(32, 127) for _ in range(length)] for _ in range(n)]  # printable bytes, byte tokenizer
 
 
-async def http_run(url: str, model: str, reqs: list[list[int]], times: list[float], out_tokens: int,
-                   max_seconds: float) -> tuple[list[Result], float]:  # fmt: skip
+async def http_run(
+    url: str, model: str, reqs: list[list[int]], times: list[float], out_tokens: int, max_seconds: float
+) -> tuple[list[Result], float]:
     results: list[Result] = []
     limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
@@ -77,8 +78,15 @@ async def http_run(url: str, model: str, reqs: list[list[int]], times: list[floa
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             r = Result(time.perf_counter())
             results.append(r)
-            body = {"model": model, "prompt": prompt, "max_tokens": out_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": out_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             async with client.stream("POST", "/v1/completions", json=body) as resp:
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -95,8 +103,9 @@ async def http_run(url: str, model: str, reqs: list[list[int]], times: list[floa
     return results, start
 
 
-async def engine_run(llm: LLM, reqs: list[list[int]], times: list[float], out_tokens: int,
-                     max_seconds: float) -> tuple[list[Result], float]:  # fmt: skip
+async def engine_run(
+    llm: LLM, reqs: list[list[int]], times: list[float], out_tokens: int, max_seconds: float
+) -> tuple[list[Result], float]:
     results: list[Result] = []
     start = time.perf_counter()
     params = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
@@ -131,16 +140,25 @@ def summarise(results: list[Result], start: float, slo_ttft: float, slo_tpot: fl
     itl = [b - a for r in done for a, b in zip(r.chunk_s, r.chunk_s[1:], strict=False)]
     span = max(r.chunk_s[-1] for r in done) - start
     good = sum(1 for a, b in zip(ttft, tpot, strict=True) if a <= slo_ttft and b <= slo_tpot)
-    return {"n": len(done), "ttft": ttft, "tpot": tpot, "itl": itl, "tok_s": sum(r.tokens for r in done) / span,
-            "goodput": good / span, "good": good}  # fmt: skip
+    return {
+        "n": len(done),
+        "ttft": ttft,
+        "tpot": tpot,
+        "itl": itl,
+        "tok_s": sum(r.tokens for r in done) / span,
+        "goodput": good / span,
+        "good": good,
+    }
 
 
 def row(rate: float, side: str, s: dict) -> str:
     ms = lambda v: f"{1000 * v:,.0f}"  # noqa: E731
     rate_text = "inf" if rate == float("inf") else f"{rate:g}"
     p50_p99 = lambda key: f"{ms(pct(s[key], 50))} / {ms(pct(s[key], 99))}"  # noqa: E731
-    return (f"| {rate_text} | {side} | {s['n']} | {p50_p99('ttft')} | {p50_p99('tpot')} | {p50_p99('itl')} | "
-            f"{s['tok_s']:,.1f} | {s['goodput']:.2f} ({s['good']}/{s['n']}) |")  # fmt: skip
+    return (
+        f"| {rate_text} | {side} | {s['n']} | {p50_p99('ttft')} | {p50_p99('tpot')} | {p50_p99('itl')} | "
+        f"{s['tok_s']:,.1f} | {s['goodput']:.2f} ({s['good']}/{s['n']}) |"
+    )
 
 
 @contextmanager
@@ -149,11 +167,32 @@ def k3_serve(folder: Path, max_model_len: int):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "k3.cli", "serve", "--model", str(folder), "--port", str(port),
-               "--served-model-name", "bench", "--num-pages", str(NUM_PAGES), "--max-num-seqs", str(MAX_NUM_SEQS),
-               "--max-model-len", str(max_model_len), "--max-n", "1"]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "k3.cli",
+        "serve",
+        "--model",
+        str(folder),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--num-pages",
+        str(NUM_PAGES),
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-n",
+        "1",
+    ]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -196,8 +235,10 @@ def main() -> None:
     llm = LLM(folder, num_pages=NUM_PAGES, max_num_seqs=MAX_NUM_SEQS)
     vocab = llm.engine.model.config.vocab_size
 
-    header = ("| rate (req/s) | path | requests | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
-              "output tok/s | goodput (req/s, met SLO) |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    header = (
+        "| rate (req/s) | path | requests | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | "
+        "output tok/s | goodput (req/s, met SLO) |\n|---|---|---|---|---|---|---|---|"
+    )
     lines = []
     with k3_serve(folder, args.prompt_tokens + args.output_tokens + 1) as url:
         warm = prompts(4, args.prompt_tokens, vocab, seed=-1)
@@ -206,21 +247,33 @@ def main() -> None:
         for k, rate in enumerate(rates):
             reqs = prompts(n, args.prompt_tokens, vocab, seed=args.seed + k)
             times = arrivals(n, rate, args.seed + k)
-            server = summarise(*asyncio.run(http_run(url, "bench", reqs, times, args.output_tokens, args.max_seconds)),
-                               args.slo_ttft, args.slo_tpot)  # fmt: skip
-            offline = summarise(*asyncio.run(engine_run(llm, reqs, times, args.output_tokens, args.max_seconds)),
-                                args.slo_ttft, args.slo_tpot)  # fmt: skip
+            server = summarise(
+                *asyncio.run(http_run(url, "bench", reqs, times, args.output_tokens, args.max_seconds)),
+                args.slo_ttft,
+                args.slo_tpot,
+            )
+            offline = summarise(
+                *asyncio.run(engine_run(llm, reqs, times, args.output_tokens, args.max_seconds)),
+                args.slo_ttft,
+                args.slo_tpot,
+            )
             lines += [row(rate, "server (HTTP)", server), row(rate, "k3.LLM (in-process)", offline)]
             overhead = 100 * (offline["tok_s"] / server["tok_s"] - 1)
-            print(lines[-2] + "\n" + lines[-1] + f"\n    server overhead in output tok/s at rate {rate:g}: "
-                  f"{overhead:+.1f}%", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                lines[-2] + "\n" + lines[-1] + f"\n    server overhead in output tok/s at rate {rate:g}: "
+                f"{overhead:+.1f}%",
+                file=sys.stderr,
+                flush=True,
+            )
     llm.close()
     load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
     if args.markdown:
-        print(f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-              f"threads, torch {torch.__version__}, load average {load} at the end; preset {preset}, "
-              f"{args.prompt_tokens} prompt + {args.output_tokens} output tokens, {n} requests per rate, "
-              f"SLOs TTFT <= {args.slo_ttft} s and TPOT <= {1000 * args.slo_tpot:.0f} ms\n")  # fmt: skip
+        print(
+            f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+            f"threads, torch {torch.__version__}, load average {load} at the end; preset {preset}, "
+            f"{args.prompt_tokens} prompt + {args.output_tokens} output tokens, {n} requests per rate, "
+            f"SLOs TTFT <= {args.slo_ttft} s and TPOT <= {1000 * args.slo_tpot:.0f} ms\n"
+        )
     print(header)
     print("\n".join(lines))
 

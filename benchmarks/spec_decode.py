@@ -53,9 +53,14 @@ def load(args) -> tuple[torch.nn.Module, dict, np.ndarray]:
 
 def generate(model, draft, prompts, params, rollback="snapshot", k=None) -> tuple[float, list[list[int]], LLMEngine]:
     """Seconds to finish every request (all added at once), their tokens, and the engine (its spec_stats)."""
-    engine = LLMEngine(model, None, EngineConfig(memory_budget=96 << 20, enable_prefix_caching=False,
-                                                 spec_rollback=rollback, num_speculative_tokens=k),
-                       draft=draft)  # fmt: skip
+    engine = LLMEngine(
+        model,
+        None,
+        EngineConfig(
+            memory_budget=96 << 20, enable_prefix_caching=False, spec_rollback=rollback, num_speculative_tokens=k
+        ),
+        draft=draft,
+    )
     ids = [engine.add_request(p, params) for p in prompts]
     out = {i: [] for i in ids}
     t0 = time.perf_counter()
@@ -90,9 +95,12 @@ def main() -> None:
     prompts = [[int(t) for t in val[s : s + args.prompt_tokens]] for s in starts]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     first = next(iter(drafts))
-    configs = [("none", None, "snapshot", None), *[(n, d, "snapshot", None) for n, d in drafts.items()],
-               (f"{first}, replay rollback", drafts[first], "replay", None),
-               (f"{first}, k = 3", drafts[first], "snapshot", 3)]  # fmt: skip
+    configs = [
+        ("none", None, "snapshot", None),
+        *[(n, d, "snapshot", None) for n, d in drafts.items()],
+        (f"{first}, replay rollback", drafts[first], "replay", None),
+        (f"{first}, k = 3", drafts[first], "snapshot", 3),
+    ]
     print(f"load average {os.getloadavg()[0]:.2f}; {args.max_tokens} new tokens per request, greedy")
     print("| draft | batch | tokens/s | × none | tokens/verify step | acceptance per position |")
     print("|---|---|---|---|---|---|")

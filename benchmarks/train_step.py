@@ -49,10 +49,15 @@ def llama_like(k3_active: int, config: K3Config) -> LlamaConfig:
     layers = min(range(1, 33), key=lambda n: abs(count(n, 3 * d) - k3_active))
     inter = min(range(2 * d, 4 * d + 1, 64), key=lambda i: abs(count(layers, i) - k3_active))
     return LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=d, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_attention_heads,
-        tie_word_embeddings=False, max_position_embeddings=4096,
-    )  # fmt: skip
+        vocab_size=config.vocab_size,
+        hidden_size=d,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_attention_heads,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    )
 
 
 def llama_flops_per_token(c: LlamaConfig, context: int) -> int:
@@ -92,8 +97,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per model per round")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; the table shows medians")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--k3-expert-optimizer", nargs="+", default=["muon"], choices=["muon", "muon-active", "adamw"],
-                   help="K3's routed-expert optimiser (k3 train --expert-optimizer); one K3 row for each")  # fmt: skip
+    p.add_argument(
+        "--k3-expert-optimizer",
+        nargs="+",
+        default=["muon"],
+        choices=["muon", "muon-active", "adamw"],
+        help="K3's routed-expert optimiser (k3 train --expert-optimizer); one K3 row for each",
+    )
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -109,8 +119,10 @@ def main() -> None:
     llama_flops = 3 * llama_flops_per_token(lcfg, args.seq_len // 2)
 
     mm = matmul_gflops()
-    print(f"train step, sequences of {args.seq_len}, fp32, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; fp32 matmul {mm:.1f} GFLOP/s")  # fmt: skip
+    print(
+        f"train step, sequences of {args.seq_len}, fp32, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; fp32 matmul {mm:.1f} GFLOP/s"
+    )
     print(
         f"K3 small: {report['total'] / 1e6:.2f}M parameters, {report['active'] / 1e6:.2f}M active; "
         f"Llama: {llama_params / 1e6:.2f}M ({lcfg.num_hidden_layers} layers, MLP {lcfg.intermediate_size})"
@@ -140,15 +152,19 @@ def main() -> None:
         rows.append(("Llama (HF transformers)", llama_params, llama_flops, ll_step, ll_opt, ""))
         for name, params, flops, step, opt, ratio in rows:
             tps = tokens / step
-            lines.append(f"| {bs} × {args.seq_len} ({tokens}) | {name} | {params / 1e6:.2f}M | {flops / 1e6:.1f}M "
-                         f"| {step * 1e3:.0f} | {opt * 1e3:.0f} | {tps:.0f} | {100 * flops * tps / (mm * 1e9):.1f}% "
-                         f"| {ratio} |")  # fmt: skip
+            lines.append(
+                f"| {bs} × {args.seq_len} ({tokens}) | {name} | {params / 1e6:.2f}M | {flops / 1e6:.1f}M "
+                f"| {step * 1e3:.0f} | {opt * 1e3:.0f} | {tps:.0f} | {100 * flops * tps / (mm * 1e9):.1f}% "
+                f"| {ratio} |"
+            )
     print()
     print("\n".join(lines))
     if args.markdown:
-        print(f"\n{datetime.date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, torch "
-              f"{torch.__version__}; fp32 matmul {mm:.1f} GFLOP/s; medians of {args.rounds} rounds × "
-              f"{args.steps} steps")  # fmt: skip
+        print(
+            f"\n{datetime.date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, torch "
+            f"{torch.__version__}; fp32 matmul {mm:.1f} GFLOP/s; medians of {args.rounds} rounds × "
+            f"{args.steps} steps"
+        )
 
 
 if __name__ == "__main__":

@@ -31,14 +31,27 @@ def main() -> None:
     a = p.parse_args()
     results = {}
     for name, use_images in (("vision", True), ("text-only", False)):
-        args = TrainArgs(out=f"{a.out}/{name}", preset="small-vl", steps=a.steps, batch_size=a.batch_size, lr=a.lr,
-                         warmup=min(20, a.steps // 10), eval_every=max(1, a.steps // 4), eval_batches=4,
-                         seed=a.seed, progress=False)  # fmt: skip
+        args = TrainArgs(
+            out=f"{a.out}/{name}",
+            preset="small-vl",
+            steps=a.steps,
+            batch_size=a.batch_size,
+            lr=a.lr,
+            warmup=min(20, a.steps // 10),
+            eval_every=max(1, a.steps // 4),
+            eval_batches=4,
+            seed=a.seed,
+            progress=False,
+        )
         run = train_vision(args, log=lambda m, n=name: print(f"[{n}] {m}", flush=True), use_images=use_images)
         t0 = time.perf_counter()
         acc = {s: answer_accuracy(run["model"], run["tokenizer"], s, a.per_split, use_images) for s in SPLITS}
-        results[name] = {"train_seconds": run["seconds"], "val_loss": run["val_loss"], "accuracy": acc,
-                         "eval_seconds": time.perf_counter() - t0}  # fmt: skip
+        results[name] = {
+            "train_seconds": run["seconds"],
+            "val_loss": run["val_loss"],
+            "accuracy": acc,
+            "eval_seconds": time.perf_counter() - t0,
+        }
         print(f"[{name}] trained {a.steps} steps in {run['seconds']:.0f} s, val loss {run['val_loss']:.3f}", flush=True)
     tasks = sorted({t for r in results.values() for s in SPLITS for t in r["accuracy"][s]})
     print(f"\n{'split':<11} {'task':<11} {'n':>4} {'vision':>8} {'text-only':>10}")

@@ -58,19 +58,36 @@ def main() -> None:
     seq_len = 64 if args.quick else 256
     base = base_run(args.quick)
     vocab = vocab_size(base)
-    runs = {"attnres": ("attnres", steps), "standard": ("standard", steps),
-            f"standard x{MATCH}": ("standard", round(MATCH * steps))}  # fmt: skip
+    runs = {
+        "attnres": ("attnres", steps),
+        "standard": ("standard", steps),
+        f"standard x{MATCH}": ("standard", round(MATCH * steps)),
+    }
     val = torch.from_numpy(np.load(base / "val_tokens.npy")[: batch * seq_len].astype(np.int64)).view(batch, seq_len)
     for name, (residual, n) in runs.items():
         config = K3Config.from_preset("small", vocab_size=vocab, residual=residual)
         init = init_checkpoint(out / f"init-{residual}", config, base, seed=0)
 
         def run(init=init, n=n, name=name) -> dict:
-            flags = ["--steps", str(n), "--batch-size", str(batch), "--seq-len", str(seq_len), "--seed", "0",
-                     "--eval-every", str(max(1, steps // 10)), "--warmup", str(max(1, steps // 10))]  # fmt: skip
+            flags = [
+                "--steps",
+                str(n),
+                "--batch-size",
+                str(batch),
+                "--seq-len",
+                str(seq_len),
+                "--seed",
+                "0",
+                "--eval-every",
+                str(max(1, steps // 10)),
+                "--warmup",
+                str(max(1, steps // 10)),
+            ]
             records = train(out / f"train-{name.replace(' ', '')}", flags, base, init)
-            return {"val": [(r["step"], r["val_loss"]) for r in records if "val_loss" in r],
-                    "step_s": float(np.median([r["step_s"] for r in records]))}  # fmt: skip
+            return {
+                "val": [(r["step"], r["val_loss"]) for r in records if "val_loss" in r],
+                "step_s": float(np.median([r["step_s"] for r in records])),
+            }
 
         store.run(f"train/{name}", run)
         for when, folder in (("init", init), ("trained", out / f"train-{name.replace(' ', '')}")):
@@ -96,18 +113,32 @@ def report(out, store, runs, steps, batch, seq_len) -> None:
         for when, style in (("init", ":"), ("trained", "-")):
             rms = store.get(f"rms/{name}/{when}")["rms"]
             bx.plot(np.arange(1, len(rms) + 1) / 2, rms, style, color=color, label=f"{name}, {when}")
-            rms_rows.append([name, when, f"{rms[0]:.3f}", f"{rms[len(rms) // 2]:.3f}", f"{rms[-1]:.3f}",
-                             f"{rms[-1] / rms[0]:.1f}x"])  # fmt: skip
-    bx.set(xlabel="layer (two sublayers each)", ylabel="RMS of the sublayer's input", yscale="log",
-           title="hidden-state size by depth (one validation batch)")  # fmt: skip
+            rms_rows.append(
+                [name, when, f"{rms[0]:.3f}", f"{rms[len(rms) // 2]:.3f}", f"{rms[-1]:.3f}", f"{rms[-1] / rms[0]:.1f}x"]
+            )
+    bx.set(
+        xlabel="layer (two sublayers each)",
+        ylabel="RMS of the sublayer's input",
+        yscale="log",
+        title="hidden-state size by depth (one validation batch)",
+    )
     bx.legend()
     save_figure(fig, out / f"{NAME}.png")
-    write_tables(out, [
-        (f"validation loss, small preset, {batch}x{seq_len} tokens per step, seed 0",
-         ["residual", "steps", "final validation loss", "median s/step", "run seconds"], rows),
-        ("RMS of each sublayer's input by depth", ["residual", "weights", "first sublayer", "middle", "last",
-                                                   "last / first"], rms_rows),
-    ])  # fmt: skip
+    write_tables(
+        out,
+        [
+            (
+                f"validation loss, small preset, {batch}x{seq_len} tokens per step, seed 0",
+                ["residual", "steps", "final validation loss", "median s/step", "run seconds"],
+                rows,
+            ),
+            (
+                "RMS of each sublayer's input by depth",
+                ["residual", "weights", "first sublayer", "middle", "last", "last / first"],
+                rms_rows,
+            ),
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,10 @@ def nonfinite_share(q, k, g) -> dict:
     textbook = (qc * G.exp()) @ (kc * (-G).exp()).transpose(-1, -2)  # (1, n, C, C)
     used = torch.ones(C, C, dtype=torch.bool).tril()
     _, pivoted = _intra_chunk(qc, kc, G)
-    return {"textbook": (~torch.isfinite(textbook[..., used])).double().mean().item(),
-            "pivoted": (~torch.isfinite(pivoted[..., used])).double().mean().item()}  # fmt: skip
+    return {
+        "textbook": (~torch.isfinite(textbook[..., used])).double().mean().item(),
+        "pivoted": (~torch.isfinite(pivoted[..., used])).double().mean().item(),
+    }
 
 
 def kda_case(T: int, g: torch.Tensor, q, k, v, beta) -> dict:
@@ -64,8 +66,13 @@ def kda_case(T: int, g: torch.Tensor, q, k, v, beta) -> dict:
         ref_o, _ = naive_recurrent_kda(*(x.double() for x in (q, k, v, g, beta)))
     finite = bool(torch.isfinite(o).all() and torch.isfinite(S).all())
     err = ((o.double() - ref_o).square().mean().sqrt() / ref_o.square().mean().sqrt()).item() if finite else None
-    return {"finite": finite, "rel_rms": err, "chunk_seconds": seconds, "g_min": g.min().item(),
-            **nonfinite_share(q, k, g)}  # fmt: skip
+    return {
+        "finite": finite,
+        "rel_rms": err,
+        "chunk_seconds": seconds,
+        "g_min": g.min().item(),
+        **nonfinite_share(q, k, g),
+    }
 
 
 def situ_case() -> dict:
@@ -97,8 +104,10 @@ def main() -> None:
     for decay in DECAYS:
         store.run(f"kda/{T}/const{decay}", lambda d=decay: kda_case(T, torch.full((1, T, H, K), d), q, k, v, beta))
     A_log, dt_bias = torch.zeros(H), torch.zeros(H * K)
-    gates = {"kimi-linear": kda_gate(f, A_log, dt_bias, lower_bound=None),
-             "k3-bounded": kda_gate(f, A_log, dt_bias, lower_bound=-5.0)}  # fmt: skip
+    gates = {
+        "kimi-linear": kda_gate(f, A_log, dt_bias, lower_bound=None),
+        "k3-bounded": kda_gate(f, A_log, dt_bias, lower_bound=-5.0),
+    }
     for name, g in gates.items():
         store.run(f"kda/{T}/{name}", lambda g=g: kda_case(T, g, q, k, v, beta))
     store.run("situ", situ_case)
@@ -113,16 +122,35 @@ def report(out, store, T: int) -> None:
     rows = []
     for label, key in zip(labels, keys, strict=True):
         r = store.get(f"kda/{T}/{key}")
-        rows.append([label, f"{r['g_min']:.1f}", f"{r['textbook']:.1%}", f"{r['pivoted']:.1%}",
-                     "yes" if r["finite"] else "**no**", "-" if r["rel_rms"] is None else f"{r['rel_rms']:.1e}",
-                     f"{r['chunk_seconds']:.2f}"])  # fmt: skip
+        rows.append(
+            [
+                label,
+                f"{r['g_min']:.1f}",
+                f"{r['textbook']:.1%}",
+                f"{r['pivoted']:.1%}",
+                "yes" if r["finite"] else "**no**",
+                "-" if r["rel_rms"] is None else f"{r['rel_rms']:.1e}",
+                f"{r['chunk_seconds']:.2f}",
+            ]
+        )
     s = store.get("situ")
-    situ_rows = [[f"{x:.0e}", f"{a:.4g}", f"{b:.4g}", f"{c:.4g}", f"{d:.4g}"]
-                 for x, a, b, c, d in zip(s["x"], s["situ_float32_1"], s["situ_float32_-1"], s["swiglu_float32_1"],
-                                          s["swiglu_bfloat16_1"], strict=True)]  # fmt: skip
-    scale_rows = [[sc, f"{a:.3g}", f"{b:.3g}", f"{c:.2%}", f"{d:.2%}"]
-                  for sc, a, b, c, d in zip(s["scales"], s["situ_max"], s["swiglu_max"], s["situ_over_fp8"],
-                                            s["swiglu_over_fp8"], strict=True)]  # fmt: skip
+    situ_rows = [
+        [f"{x:.0e}", f"{a:.4g}", f"{b:.4g}", f"{c:.4g}", f"{d:.4g}"]
+        for x, a, b, c, d in zip(
+            s["x"],
+            s["situ_float32_1"],
+            s["situ_float32_-1"],
+            s["swiglu_float32_1"],
+            s["swiglu_bfloat16_1"],
+            strict=True,
+        )
+    ]
+    scale_rows = [
+        [sc, f"{a:.3g}", f"{b:.3g}", f"{c:.2%}", f"{d:.2%}"]
+        for sc, a, b, c, d in zip(
+            s["scales"], s["situ_max"], s["swiglu_max"], s["situ_over_fp8"], s["swiglu_over_fp8"], strict=True
+        )
+    ]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
     consts = [store.get(f"kda/{T}/const{d}") for d in DECAYS]
     steep = [-d for d in DECAYS]
@@ -130,26 +158,54 @@ def report(out, store, T: int) -> None:
     ax.plot(steep, [100 * r["pivoted"] for r in consts], "s-", label="k3 pivoted split (32-token blocks)")
     ax.axvline(5, color="grey", ls=":", lw=0.8)
     ax.text(5.2, 50, "K3's bound", color="grey")
-    ax.set(xscale="log", xlabel="-g per token (decay steepness)", ylabel="% of in-chunk products inf/NaN (fp32)",
-           title=f"KDA chunk products, T = {T:,}")  # fmt: skip
+    ax.set(
+        xscale="log",
+        xlabel="-g per token (decay steepness)",
+        ylabel="% of in-chunk products inf/NaN (fp32)",
+        title=f"KDA chunk products, T = {T:,}",
+    )
     ax.legend()
     bx.plot(s["scales"], s["situ_max"], "o-", label="SiTU-GLU (β1=4, β2=25)")
     bx.plot(s["scales"], s["swiglu_max"], "s-", label="SwiGLU")
     bx.axhline(FP8_MAX, color="grey", ls=":", lw=0.8)
     bx.text(1, FP8_MAX * 1.3, "FP8 E4M3 max (448)", color="grey")
-    bx.set(xscale="log", yscale="log", xlabel="input scale s (g, u ~ N(0, s²))", ylabel="max |output|, 1M samples",
-           title="gated activation under growing inputs")  # fmt: skip
+    bx.set(
+        xscale="log",
+        yscale="log",
+        xlabel="input scale s (g, u ~ N(0, s²))",
+        ylabel="max |output|, 1M samples",
+        title="gated activation under growing inputs",
+    )
     bx.legend()
     save_figure(fig, out / f"{NAME}.png")
-    write_tables(out, [
-        (f"(a) KDA in fp32, T = {T:,}, H = 1, K = V = 16, seed 0",
-         ["log-decay g", "min g", "textbook split: products inf/NaN", "k3 pivoted split: inf/NaN",
-          "chunk_kda finite", "rel. RMS error vs fp64 recurrence", "chunk_kda seconds"], rows),
-        ("(b) SiTU-GLU vs SwiGLU at g = u = x", ["x", "abs SiTU, fp32", "abs SiTU at g = u = -x", "abs SwiGLU, fp32",
-                                                 "abs SwiGLU, bf16"], situ_rows),
-        ("(b) g, u ~ N(0, s²), 10⁶ samples, seed 0", ["s", "max abs SiTU", "max abs SwiGLU", "SiTU beyond 448",
-                                                     "SwiGLU beyond 448"], scale_rows),
-    ])  # fmt: skip
+    write_tables(
+        out,
+        [
+            (
+                f"(a) KDA in fp32, T = {T:,}, H = 1, K = V = 16, seed 0",
+                [
+                    "log-decay g",
+                    "min g",
+                    "textbook split: products inf/NaN",
+                    "k3 pivoted split: inf/NaN",
+                    "chunk_kda finite",
+                    "rel. RMS error vs fp64 recurrence",
+                    "chunk_kda seconds",
+                ],
+                rows,
+            ),
+            (
+                "(b) SiTU-GLU vs SwiGLU at g = u = x",
+                ["x", "abs SiTU, fp32", "abs SiTU at g = u = -x", "abs SwiGLU, fp32", "abs SwiGLU, bf16"],
+                situ_rows,
+            ),
+            (
+                "(b) g, u ~ N(0, s²), 10⁶ samples, seed 0",
+                ["s", "max abs SiTU", "max abs SwiGLU", "SiTU beyond 448", "SwiGLU beyond 448"],
+                scale_rows,
+            ),
+        ],
+    )
 
 
 if __name__ == "__main__":

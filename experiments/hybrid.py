@@ -89,8 +89,20 @@ def main() -> None:
 
         def run(variant=variant, folder=folder) -> dict:
             init = init_checkpoint(out / f"init-{folder.name[6:]}", config(variant, vocab_size(base)), base, seed=0)
-            flags = ["--steps", str(steps), "--batch-size", str(batch), "--seq-len", str(seq_len), "--seed", "0",
-                     "--synthetic-ratio", "0.5", "--eval-every", str(steps)]  # fmt: skip
+            flags = [
+                "--steps",
+                str(steps),
+                "--batch-size",
+                str(batch),
+                "--seq-len",
+                str(seq_len),
+                "--seed",
+                "0",
+                "--synthetic-ratio",
+                "0.5",
+                "--eval-every",
+                str(steps),
+            ]
             records = train(folder, flags, base, init)
             return {"val_loss": records[-1]["val_loss"]}
 
@@ -117,30 +129,48 @@ def report(out, store, decode_lengths, lengths, steps, batch, seq_len, examples)
         kib = [(c["kda_bytes"] + c["mla_bytes"]) / 1024 for c in costs]
         axes[0].plot(decode_lengths, kib, "o-", label=variant)
         axes[1].plot(decode_lengths, [1000 * c["step_s"] for c in costs], "o-", label=variant)
-        decode_rows += [[variant, f"{n:,}", f"{k:,.0f}", f"{1000 * c['step_s']:.1f}"]
-                        for n, k, c in zip(decode_lengths, kib, costs, strict=True)]  # fmt: skip
+        decode_rows += [
+            [variant, f"{n:,}", f"{k:,.0f}", f"{1000 * c['step_s']:.1f}"]
+            for n, k, c in zip(decode_lengths, kib, costs, strict=True)
+        ]
         row = [variant, f"{store.get(f'train/{variant}')['val_loss']:.3f}"]
         for i, task in enumerate(TASKS):
             accs = [store.get(f"eval/{variant}/{task}/{n}")["accuracy"] for n in lengths]
             axes[2 + i].plot(lengths, accs, "o-", label=variant)
             row += [f"{a:.0%}" for a in accs]
         acc_rows.append(row)
-    axes[0].set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="cache per sequence (KiB)",
-                title="decode cache")  # fmt: skip
+    axes[0].set(
+        xscale="log", yscale="log", xlabel="context (tokens)", ylabel="cache per sequence (KiB)", title="decode cache"
+    )
     axes[1].set(xscale="log", xlabel="context (tokens)", ylabel="ms per decode step (batch 1)", title="decode step")
     for i, task in enumerate(TASKS):
-        axes[2 + i].set(xscale="log", xlabel="context (tokens)", ylabel="accuracy (held-out)", ylim=(-0.05, 1.05),
-                        title=f"{task}, after {steps} steps")  # fmt: skip
+        axes[2 + i].set(
+            xscale="log",
+            xlabel="context (tokens)",
+            ylabel="accuracy (held-out)",
+            ylim=(-0.05, 1.05),
+            title=f"{task}, after {steps} steps",
+        )
     for ax in axes:
         ax.legend(fontsize=8)
     save_figure(fig, out / f"{NAME}.png")
     header = ["variant", "val loss"] + [f"{t} @ {n}" for t in TASKS for n in lengths]
-    write_tables(out, [
-        ("(a) decode: cache per sequence and one step's time (small preset, fp32, batch 1)",
-         ["variant", "context", "cache KiB", "ms / step"], decode_rows),
-        (f"(b) accuracy on {examples} held-out examples per cell after {steps} steps of {batch}x{seq_len} tokens "
-         "(half synthetic), seed 0", header, acc_rows),
-    ])  # fmt: skip
+    write_tables(
+        out,
+        [
+            (
+                "(a) decode: cache per sequence and one step's time (small preset, fp32, batch 1)",
+                ["variant", "context", "cache KiB", "ms / step"],
+                decode_rows,
+            ),
+            (
+                f"(b) accuracy on {examples} held-out examples per cell after {steps} steps of "
+                f"{batch}x{seq_len} tokens (half synthetic), seed 0",
+                header,
+                acc_rows,
+            ),
+        ],
+    )
 
 
 if __name__ == "__main__":

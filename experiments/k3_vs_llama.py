@@ -97,8 +97,17 @@ def race(base, budget: float, batch_size: int, seq_len: int) -> dict:
                 if len(r.val) < len(marks) and r.seconds >= marks[len(r.val)]:
                     r.val.append((r.steps, r.seconds, r.evaluate(val)))
     active = {"K3 small": param_report(config)["active"], "Llama": sum(p.numel() for p in llama.parameters())}
-    return {"models": {r.name: {"params": sum(p.numel() for p in r.model.parameters()), "active": active[r.name],
-                                "val": r.val, "sample": r.sample(tokenizer)} for r in runs}}  # fmt: skip
+    return {
+        "models": {
+            r.name: {
+                "params": sum(p.numel() for p in r.model.parameters()),
+                "active": active[r.name],
+                "val": r.val,
+                "sample": r.sample(tokenizer),
+            }
+            for r in runs
+        }
+    }
 
 
 def main() -> None:
@@ -124,13 +133,24 @@ def report(out, result, budget, batch_size, seq_len) -> None:
         cells = [f"{s} steps: {v:.3f}" for s, v in zip(steps, loss, strict=True)]
         rows.append([name, f"{r['params'] / 1e6:.2f}M / {r['active'] / 1e6:.2f}M", *cells])
         samples.append(f"{name}:\n\n```text\n{r['sample']}\n```")
-    ax.set(xlabel="training seconds (own clock)", ylabel="validation loss (nats/token)",
-           title=f"equal wall-clock, {batch_size}x{seq_len} tokens/step, seed 0")  # fmt: skip
+    ax.set(
+        xlabel="training seconds (own clock)",
+        ylabel="validation loss (nats/token)",
+        title=f"equal wall-clock, {batch_size}x{seq_len} tokens/step, seed 0",
+    )
     ax.legend()
     save_figure(fig, out / f"{NAME}.png")
-    write_tables(out, [(f"validation loss after B = {budget:g} s and 4B of training each (lockstep, seed 0)",
-                        ["model", "parameters / active", f"at {budget:g} s", f"at {4 * budget:g} s"], rows)],
-                 notes="Greedy continuations of " + repr(PROMPT) + ":\n\n" + "\n\n".join(samples))  # fmt: skip
+    write_tables(
+        out,
+        [
+            (
+                f"validation loss after B = {budget:g} s and 4B of training each (lockstep, seed 0)",
+                ["model", "parameters / active", f"at {budget:g} s", f"at {4 * budget:g} s"],
+                rows,
+            )
+        ],
+        notes="Greedy continuations of " + repr(PROMPT) + ":\n\n" + "\n\n".join(samples),
+    )
 
 
 if __name__ == "__main__":

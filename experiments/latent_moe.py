@@ -35,8 +35,12 @@ BF16 = 2
 def variants(preset: str, vocab: int | None = None) -> dict[str, K3Config]:
     extra = {} if vocab is None else {"vocab_size": vocab}
     latent = K3Config.from_preset(preset, **extra)
-    full = K3Config.from_preset(preset, routed_expert_hidden_size=latent.hidden_size,
-                                moe_intermediate_size=latent.moe_intermediate_size // 2, **extra)  # fmt: skip
+    full = K3Config.from_preset(
+        preset,
+        routed_expert_hidden_size=latent.hidden_size,
+        moe_intermediate_size=latent.moe_intermediate_size // 2,
+        **extra,
+    )
     return {"LatentMoE": latent, "full-width MoE": full}
 
 
@@ -48,8 +52,12 @@ def accounting(config: K3Config, latent: bool) -> dict:
         config.routed_expert_hidden_size,
         config.moe_intermediate_size,
     )
-    return {"expert_params": 3 * w * i, "expert_flops": 2 * k * 3 * w * i,
-            "projection_flops": 2 * 2 * d * w if latent else 0, "all_to_all_bytes": 2 * k * w * BF16}  # fmt: skip
+    return {
+        "expert_params": 3 * w * i,
+        "expert_flops": 2 * k * 3 * w * i,
+        "projection_flops": 2 * 2 * d * w if latent else 0,
+        "all_to_all_bytes": 2 * k * w * BF16,
+    }
 
 
 def main() -> None:
@@ -66,11 +74,25 @@ def main() -> None:
 
         def run(config=config, folder=folder) -> dict:
             init = init_checkpoint(out / f"init-{folder.name[6:]}", config, base, seed=0)
-            flags = ["--steps", str(steps), "--batch-size", str(batch), "--seq-len", str(seq_len), "--seed", "0",
-                     "--eval-every", str(max(1, steps // 10)), "--warmup", str(max(1, steps // 10))]  # fmt: skip
+            flags = [
+                "--steps",
+                str(steps),
+                "--batch-size",
+                str(batch),
+                "--seq-len",
+                str(seq_len),
+                "--seed",
+                "0",
+                "--eval-every",
+                str(max(1, steps // 10)),
+                "--warmup",
+                str(max(1, steps // 10)),
+            ]
             records = train(folder, flags, base, init)
-            return {"val": [(r["step"], r["val_loss"]) for r in records if "val_loss" in r],
-                    "step_s": float(np.median([r["step_s"] for r in records]))}  # fmt: skip
+            return {
+                "val": [(r["step"], r["val_loss"]) for r in records if "val_loss" in r],
+                "step_s": float(np.median([r["step_s"] for r in records])),
+            }
 
         store.run(f"train/{name}", run)
     report(out, store, steps, batch, seq_len)
@@ -83,9 +105,18 @@ def report(out, store, steps, batch, seq_len) -> None:
     for preset in ("k3", "small"):
         for name, config in variants(preset).items():
             a = accounting(config, name == "LatentMoE")
-            rows.append([preset, name, config.routed_expert_hidden_size, config.moe_intermediate_size,
-                         f"{a['expert_params']:,}", f"{a['expert_flops'] / 1e6:,.1f}",
-                         f"{a['projection_flops'] / 1e6:,.1f}", f"{a['all_to_all_bytes']:,}"])  # fmt: skip
+            rows.append(
+                [
+                    preset,
+                    name,
+                    config.routed_expert_hidden_size,
+                    config.moe_intermediate_size,
+                    f"{a['expert_params']:,}",
+                    f"{a['expert_flops'] / 1e6:,.1f}",
+                    f"{a['projection_flops'] / 1e6:,.1f}",
+                    f"{a['all_to_all_bytes']:,}",
+                ]
+            )
     fig, ax = plt.subplots(figsize=(6, 4))
     train_rows = []
     for name in variants("small"):
@@ -96,12 +127,30 @@ def report(out, store, steps, batch, seq_len) -> None:
     ax.set(xlabel="step", ylabel="validation loss (nats/token)", title=f"small preset, {batch}x{seq_len} tokens/step")
     ax.legend()
     save_figure(fig, out / f"{NAME}.png")
-    write_tables(out, [
-        ("(a) per token and MoE layer (bf16 activations)", ["preset", "routed experts", "expert width",
-         "expert hidden", "params per expert", "expert MFLOPs", "projection MFLOPs", "all-to-all bytes"], rows),
-        (f"(b) small preset, {steps} steps of {batch}x{seq_len} tokens, seed 0",
-         ["routed experts", "final validation loss", "median s/step", "run seconds"], train_rows),
-    ])  # fmt: skip
+    write_tables(
+        out,
+        [
+            (
+                "(a) per token and MoE layer (bf16 activations)",
+                [
+                    "preset",
+                    "routed experts",
+                    "expert width",
+                    "expert hidden",
+                    "params per expert",
+                    "expert MFLOPs",
+                    "projection MFLOPs",
+                    "all-to-all bytes",
+                ],
+                rows,
+            ),
+            (
+                f"(b) small preset, {steps} steps of {batch}x{seq_len} tokens, seed 0",
+                ["routed experts", "final validation loss", "median s/step", "run seconds"],
+                train_rows,
+            ),
+        ],
+    )
 
 
 if __name__ == "__main__":

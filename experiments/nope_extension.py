@@ -40,8 +40,21 @@ def main() -> None:
     val = np.load(base / "val_tokens.npy").astype(np.int64)
     for name, stages in runs.items():
         folder = out / f"train-{name.replace(' ', '-')}"
-        flags = ["--preset", "small", "--steps", str(steps), "--batch-size", str(batch), "--seq-len", str(L),
-                 "--seed", "0", "--eval-every", str(steps), *stages]  # fmt: skip
+        flags = [
+            "--preset",
+            "small",
+            "--steps",
+            str(steps),
+            "--batch-size",
+            str(batch),
+            "--seq-len",
+            str(L),
+            "--seed",
+            "0",
+            "--eval-every",
+            str(steps),
+            *stages,
+        ]
         store.run(f"train/{name}", lambda f=folder, flags=flags: {"val_loss": train(f, flags, base)[-1]["val_loss"]})
         for length in (L, 4 * L, 16 * L):
 
@@ -63,19 +76,35 @@ def report(out, store, runs, L, steps, batch, windows) -> None:
         evals = [store.get(f"eval/{name}/{n}") for n in lengths]
         ax.plot(lengths, [e["nats"] for e in evals], "o-", label=name)
         bx.plot(lengths, [e["late"] for e in evals], "o-", label=name)
-        rows.append([name, f"{store.get(f'train/{name}')['val_loss']:.3f}",
-                     *(f"{e['nats']:.3f} / {e['late']:.3f}" for e in evals)])  # fmt: skip
+        rows.append(
+            [
+                name,
+                f"{store.get(f'train/{name}')['val_loss']:.3f}",
+                *(f"{e['nats']:.3f} / {e['late']:.3f}" for e in evals),
+            ]
+        )
     ax.set(xscale="log", xlabel="evaluation length (tokens)", ylabel="nats/token, whole window", title="all positions")
-    bx.set(xscale="log", xlabel="evaluation length (tokens)", ylabel="nats/token, last quarter",
-           title="the window's last quarter (longest context)")  # fmt: skip
+    bx.set(
+        xscale="log",
+        xlabel="evaluation length (tokens)",
+        ylabel="nats/token, last quarter",
+        title="the window's last quarter (longest context)",
+    )
     for a in (ax, bx):
         a.axvline(L, color="grey", ls=":", lw=0.8)
         a.legend()
     save_figure(fig, out / f"{NAME}.png")
-    write_tables(out, [
-        (f"validation nats/token (whole window / last quarter), {windows} windows per length; {steps} steps of "
-         f"{batch * L} tokens, seed 0", ["training", f"val loss at {L}", *(f"at {n:,}" for n in lengths)], rows),
-    ])  # fmt: skip
+    write_tables(
+        out,
+        [
+            (
+                f"validation nats/token (whole window / last quarter), {windows} windows per length; {steps} steps of "
+                f"{batch * L} tokens, seed 0",
+                ["training", f"val loss at {L}", *(f"at {n:,}" for n in lengths)],
+                rows,
+            ),
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -28,10 +28,18 @@ from k3.model.router import Router
 from k3.train.balance import FixedStepBalancer, QuantileBalancer
 
 NAME = "quantile_balancing"
-RULES = {"qb": "QB, (k+1)-th cutoff (default)", "qb-exact": "QB, exact cutoff", "fixed": "fixed step u=1e-3",
-         "none": "no balancing", "floor": "floor: no skew, no balancing"}  # fmt: skip
-TRAIN_FLAGS = {"qb": ["--balancer", "quantile"], "qb-exact": ["--balancer", "quantile", "--qb-exact-cutoff"],
-               "fixed": ["--balancer", "fixed"]}  # fmt: skip
+RULES = {
+    "qb": "QB, (k+1)-th cutoff (default)",
+    "qb-exact": "QB, exact cutoff",
+    "fixed": "fixed step u=1e-3",
+    "none": "no balancing",
+    "floor": "floor: no skew, no balancing",
+}
+TRAIN_FLAGS = {
+    "qb": ["--balancer", "quantile"],
+    "qb-exact": ["--balancer", "quantile", "--qb-exact-cutoff"],
+    "fixed": ["--balancer", "fixed"],
+}
 
 
 def synthetic_maxvio(rule: str, seed: int, steps: int, tokens: int, experts: int = 896, top_k: int = 16) -> list:
@@ -40,8 +48,11 @@ def synthetic_maxvio(rule: str, seed: int, steps: int, tokens: int, experts: int
     router = Router(experts, experts, top_k)
     with torch.no_grad():
         router.weight.copy_(torch.eye(experts))
-    balancer = {"qb": lambda: QuantileBalancer([router]), "qb-exact": lambda: QuantileBalancer([router],
-                exact_cutoff=True), "fixed": lambda: FixedStepBalancer([router])}.get(rule, lambda: None)()  # fmt: skip
+    balancer = {
+        "qb": lambda: QuantileBalancer([router]),
+        "qb-exact": lambda: QuantileBalancer([router], exact_cutoff=True),
+        "fixed": lambda: FixedStepBalancer([router]),
+    }.get(rule, lambda: None)()
     gen = torch.Generator().manual_seed(seed)
     skew = 0.0 if rule == "floor" else 0.5
     popularity = skew * torch.randn(experts, generator=gen)
@@ -84,11 +95,24 @@ def main() -> None:
     for rule, flags in TRAIN_FLAGS.items():
 
         def run(flags=flags, rule=rule) -> dict:
-            flags = ["--preset", "small", "--steps", str(train_steps), "--seed", "0", "--eval-every", str(train_steps),
-                     *shape, *flags]  # fmt: skip
+            flags = [
+                "--preset",
+                "small",
+                "--steps",
+                str(train_steps),
+                "--seed",
+                "0",
+                "--eval-every",
+                str(train_steps),
+                *shape,
+                *flags,
+            ]
             records = train(out / f"train-{rule}", flags, base)
-            return {"maxvio": [float(np.mean(r["maxvio"])) for r in records],
-                    "val_loss": records[-1]["val_loss"], "train_s": sum(r["step_s"] for r in records)}  # fmt: skip
+            return {
+                "maxvio": [float(np.mean(r["maxvio"])) for r in records],
+                "val_loss": records[-1]["val_loss"],
+                "train_s": sum(r["step_s"] for r in records),
+            }
 
         store.run(f"train/{rule}", run)
     report(out, store, seeds, steps, tokens, train_steps, shape)
@@ -113,8 +137,12 @@ def report(out, store, seeds, steps, tokens, train_steps, shape) -> None:
             mean[-20:].mean(),
         ]
         rows.append([label, *(f"{c:.2f}" for c in cells), f"{secs:.0f}"])
-    ax.set(yscale="log", xlabel="step", ylabel="MaxVio (mean over seeds)",
-           title=f"synthetic scores: 896 experts, top-16, {tokens} tokens/step, seeds {seeds}")  # fmt: skip
+    ax.set(
+        yscale="log",
+        xlabel="step",
+        ylabel="MaxVio (mean over seeds)",
+        title=f"synthetic scores: 896 experts, top-16, {tokens} tokens/step, seeds {seeds}",
+    )
     ax.axvline(half + 1, color="grey", lw=0.6, ls=":")
     ax.legend()
     train_rows = []
@@ -123,18 +151,41 @@ def report(out, store, seeds, steps, tokens, train_steps, shape) -> None:
         bx.plot(range(1, len(result["maxvio"]) + 1), result["maxvio"], label=RULES[rule])
         last = np.mean(result["maxvio"][-10:])
         train_rows.append([RULES[rule], f"{last:.3f}", f"{result['val_loss']:.3f}", f"{result['train_s']:.0f}"])
-    bx.set(yscale="log", xlabel="step", ylabel="MaxVio (mean over MoE layers)",
-           title=f"small preset, {train_steps} steps of {shape[1]}x{shape[3]} tokens, seed 0")  # fmt: skip
+    bx.set(
+        yscale="log",
+        xlabel="step",
+        ylabel="MaxVio (mean over MoE layers)",
+        title=f"small preset, {train_steps} steps of {shape[1]}x{shape[3]} tokens, seed 0",
+    )
     bx.legend()
     save_figure(fig, out / f"{NAME}.png")
-    synthetic_header = ["rule", "step 1", "step 2", "step 6", f"steps {half - 9}-{half}", f"step {half + 1} (shift)",
-                        f"step {half + 2}", "last 20 steps", "seconds"]  # fmt: skip
-    write_tables(out, [
-        (f"(a) synthetic router scores, 896 experts, top-16, {tokens} tokens/step, {steps} steps, seeds {seeds}: "
-         "MaxVio", synthetic_header, rows),
-        (f"(b) small preset, {train_steps} steps of {shape[1]}x{shape[3]} tokens, seed 0",
-         ["rule", "MaxVio, mean of the last 10 steps", "validation loss", "training seconds"], train_rows),
-    ])  # fmt: skip
+    synthetic_header = [
+        "rule",
+        "step 1",
+        "step 2",
+        "step 6",
+        f"steps {half - 9}-{half}",
+        f"step {half + 1} (shift)",
+        f"step {half + 2}",
+        "last 20 steps",
+        "seconds",
+    ]
+    write_tables(
+        out,
+        [
+            (
+                f"(a) synthetic router scores, 896 experts, top-16, {tokens} tokens/step, {steps} steps, "
+                f"seeds {seeds}: MaxVio",
+                synthetic_header,
+                rows,
+            ),
+            (
+                f"(b) small preset, {train_steps} steps of {shape[1]}x{shape[3]} tokens, seed 0",
+                ["rule", "MaxVio, mean of the last 10 steps", "validation loss", "training seconds"],
+                train_rows,
+            ),
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,13 @@ COLLECTIVE_TIMEOUT_S = 20
 def _worker(rank: int, fn, world: int, init_file: str, args: tuple) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     fn(rank, world, *args)
     # Both ranks past their last collective before either tears the group down: a rank that destroyed it
     # while its peer's gloo threads still talked to it made that peer abort at exit ("terminate called
@@ -35,8 +40,7 @@ def _worker(rank: int, fn, world: int, init_file: str, args: tuple) -> None:
 def spawn(fn, tmp_path, *args, world: int = 2, timeout: float = 60) -> None:
     """fn(rank, world, *args) on `world` processes; raises if one fails or the run outlives `timeout`."""
     init_file = str(tmp_path / f"init_{time.monotonic_ns()}")
-    ctx = mp.start_processes(_worker, args=(fn, world, init_file, args), nprocs=world, join=False,
-                             start_method="spawn")  # fmt: skip
+    ctx = mp.start_processes(_worker, args=(fn, world, init_file, args), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -46,11 +46,31 @@ def _no_fp64(*xs) -> None:
         _require(x is None or x.dtype != torch.float64, "Triton kernels have no float64")
 
 
-def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
-              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
-              cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):  # fmt: skip
+def chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    safe_gate=False,
+    lower_bound=None,
+    disable_recompute=False,
+    return_intermediate_states=False,
+    state_v_first=False,
+    cu_seqlens=None,
+    cu_seqlens_cpu=None,
+    cp_context=None,
+    use_graph=False,
+    max_num_seqs=None,
+    **kwargs,
+):
     CALLS.append("chunk_kda")
     chunk_size, A_log, dt_bias = kwargs.pop("chunk_size", 64), kwargs.pop("A_log", None), kwargs.pop("dt_bias", None)
     _require(not kwargs, f"chunk_kda got keywords fla 0.6.0 does not know: {sorted(kwargs)}")
@@ -62,21 +82,52 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if return_intermediate_states:
         _require(torch.is_inference_mode_enabled(), "return_intermediate_states is only allowed in inference mode")
     out = k3_chunk_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        safe_gate=safe_gate, lower_bound=lower_bound, return_intermediate_states=return_intermediate_states,
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size, A_log=A_log, dt_bias=dt_bias,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate,
+        lower_bound=lower_bound,
+        return_intermediate_states=return_intermediate_states,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+        A_log=A_log,
+        dt_bias=dt_bias,
         backend="torch",
-    )  # fmt: skip
+    )
     o = out[0].to(q.dtype)  # fla returns o.type_as(q)
     return (o, *out[1:])
 
 
-def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
-                        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
-                        state_v_first=False, cu_seqlens=None, **kwargs):  # fmt: skip
+def fused_recurrent_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log=None,
+    dt_bias=None,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    lower_bound=None,
+    state_v_first=False,
+    cu_seqlens=None,
+    **kwargs,
+):
     CALLS.append("fused_recurrent_kda")
     _require(not kwargs, f"fused_recurrent_kda got keywords fla 0.6.0 does not know: {sorted(kwargs)}")
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))  # its input_guard
@@ -89,24 +140,70 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                 (N, v.shape[2], v.shape[3], k.shape[3]) if state_v_first else (N, v.shape[2], k.shape[3], v.shape[3])
             )
             final = q.new_empty(shape, dtype=torch.float32)
-        o = _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, scale, h0, final, None, cu_seqlens, state_v_first,
-                           use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                           lower_bound)  # fmt: skip
+        o = _recurrent_fwd(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log,
+            dt_bias,
+            scale,
+            h0,
+            final,
+            None,
+            cu_seqlens,
+            state_v_first,
+            use_qk_l2norm_in_kernel,
+            use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel,
+            allow_neg_eigval,
+            lower_bound,
+        )
     return o, final
 
 
-def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
-                            output_final_state=False, inplace_final_state=True, state_v_first=False,
-                            cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
-                            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                            allow_neg_eigval=False, lower_bound=None, out=None, **kwargs):  # fmt: skip
+def fused_recurrent_kda_fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log=None,
+    dt_bias=None,
+    initial_state=None,
+    scale=None,
+    output_final_state=False,
+    inplace_final_state=True,
+    state_v_first=False,
+    cu_seqlens=None,
+    ssm_state_indices=None,
+    num_accepted_tokens=None,
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    lower_bound=None,
+    out=None,
+    **kwargs,
+):
     CALLS.append("fused_recurrent_kda_fwd")
     _require(not kwargs, f"fused_recurrent_kda_fwd got keywords fla 0.6.0 does not know: {sorted(kwargs)}")
     _require(num_accepted_tokens is None, "k3 does not use speculative decoding's num_accepted_tokens")
     for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items():
         _require(x.is_contiguous(), f"{name} {list(x.shape)} must be contiguous [B, T, H, D] (no input guard)")
-    _same_device(q, k=k, v=v, g=g, beta=beta, state=initial_state, cu_seqlens=cu_seqlens,
-                 indices=ssm_state_indices, A_log=A_log, dt_bias=dt_bias)  # fmt: skip
+    _same_device(
+        q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        state=initial_state,
+        cu_seqlens=cu_seqlens,
+        indices=ssm_state_indices,
+        A_log=A_log,
+        dt_bias=dt_bias,
+    )
     _no_fp64(q, k, v, g, beta, initial_state)
     if inplace_final_state:
         _require(initial_state is not None, "inplace_final_state needs initial_state")
@@ -114,9 +211,26 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     else:
         final = None
     with torch.no_grad():
-        o = _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, final, ssm_state_indices,
-                           cu_seqlens, state_v_first, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                           use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound)  # fmt: skip
+        o = _recurrent_fwd(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log,
+            dt_bias,
+            scale,
+            initial_state,
+            final,
+            ssm_state_indices,
+            cu_seqlens,
+            state_v_first,
+            use_qk_l2norm_in_kernel,
+            use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel,
+            allow_neg_eigval,
+            lower_bound,
+        )
     return o, final
 
 
@@ -130,8 +244,9 @@ def _rows(state: torch.Tensor, contiguous: bool) -> torch.Tensor:
     return torch.as_strided(state, (state.shape[0], inner), (state.stride(0), 1))
 
 
-def _recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, scale, h0, ht, indices, cu_seqlens, v_first, l2, gate, sig, neg,
-                   lower_bound):  # fmt: skip
+def _recurrent_fwd(
+    q, k, v, g, beta, A_log, dt_bias, scale, h0, ht, indices, cu_seqlens, v_first, l2, gate, sig, neg, lower_bound
+):
     """The kernel's per-token loop in fp32. h0/ht: state tensors; with indices, pool rows; with ht given
     and indices, every token's state is stored at its row (continuous batching)."""
     B, T, _, K = q.shape

@@ -44,8 +44,9 @@ class ServerThread:
 
 
 class ScriptedHandle:
-    def __init__(self, request_id: str, prompt_ids: list[int], tokens: list[int], texts: list[str],
-                 reason: str, delay_s: float):  # fmt: skip
+    def __init__(
+        self, request_id: str, prompt_ids: list[int], tokens: list[int], texts: list[str], reason: str, delay_s: float
+    ):
         self.request_id, self.prompt_ids, self.tokens, self.texts = request_id, prompt_ids, tokens, texts
         self.reason, self.delay_s = reason, delay_s
         self.finished = False
@@ -61,8 +62,9 @@ class ScriptedHandle:
                 return
             last = i == len(self.tokens) - 1
             self.finished = last
-            yield RequestOutput(self.request_id, text, [token], last, self.reason if last else None,
-                                len(self.prompt_ids), i + 1, 0)  # fmt: skip
+            yield RequestOutput(
+                self.request_id, text, [token], last, self.reason if last else None, len(self.prompt_ids), i + 1, 0
+            )
 
 
 class ScriptedEngine:
@@ -71,8 +73,9 @@ class ScriptedEngine:
     `overload_after`: submissions beyond that many unfinished ones raise Overloaded."""
 
     def __init__(self, tokenizer, vocab_size: int, script, delay_s: float = 0.0, overload_after: int | None = None):
-        self.engine = SimpleNamespace(tokenizer=tokenizer, model=SimpleNamespace(config=SimpleNamespace(
-            vocab_size=vocab_size)))  # fmt: skip
+        self.engine = SimpleNamespace(
+            tokenizer=tokenizer, model=SimpleNamespace(config=SimpleNamespace(vocab_size=vocab_size))
+        )
         self.script, self.delay_s, self.overload_after = script, delay_s, overload_after
         self.handles: list[ScriptedHandle] = []
         self.submitted: list[tuple[list[int], object]] = []
@@ -94,5 +97,11 @@ class ScriptedEngine:
         return self.submit(prompt, params, request_id)
 
     def stats(self) -> dict:
-        return {"running": sum(not h.finished for h in self.handles), "waiting": 0, "pages_used": 0,
-                "pages_free": 10, "pages_evictable": 0, "preemptions": 0}  # fmt: skip
+        return {
+            "running": sum(not h.finished for h in self.handles),
+            "waiting": 0,
+            "pages_used": 0,
+            "pages_free": 10,
+            "pages_evictable": 0,
+            "preemptions": 0,
+        }

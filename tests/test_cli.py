@@ -37,8 +37,23 @@ def test_env_with_an_impossible_backend_says_why_instead_of_a_traceback(capsys, 
 
 import json  # noqa: E402  (appended section: the file's first part is another helper's)
 
-TINY_TRAIN = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "400", "--eval-every", "4",
-              "--eval-batches", "2", "--warmup", "2", "--no-progress"]  # fmt: skip
+TINY_TRAIN = [
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "32",
+    "--vocab-size",
+    "400",
+    "--eval-every",
+    "4",
+    "--eval-batches",
+    "2",
+    "--warmup",
+    "2",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +89,12 @@ def test_train_checks_every_argument_before_any_work(tmp_path, capsys):
     assert exc.value.code == 2 and "invalid choice: 'huge'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--preset 'huge' is not a preset"):
         TrainArgs(out=str(out), preset="huge")
-    for bad, message in ((["--data", str(tmp_path / "nope")], "--data"), (["--resume"], "no checkpoint to resume"),
-                         (["--val-fraction", "1.5"], "--val-fraction must be between 0 and 1"),
-                         (["--init-from", str(tmp_path / "nope")], "--init-from")):  # fmt: skip
+    for bad, message in (
+        (["--data", str(tmp_path / "nope")], "--data"),
+        (["--resume"], "no checkpoint to resume"),
+        (["--val-fraction", "1.5"], "--val-fraction must be between 0 and 1"),
+        (["--init-from", str(tmp_path / "nope")], "--init-from"),
+    ):
         assert main(["train", *TINY_TRAIN, "--out", str(out), *bad]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err

@@ -130,16 +130,34 @@ RELEASED_TEXT_PART = {
 # The released vision part (MoonViT-V2), as published: k3 reads it into VisionConfig and writes it back.
 RELEASED_VISION_PART = {
     "vision_config": {
-        "_attn_implementation": "flash_attention_2", "activation_func": "gelu_pytorch_tanh", "attn_bias": False,
-        "init_pos_emb_height": 64, "init_pos_emb_time": 4, "init_pos_emb_width": 64, "linear_bias": False,
-        "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool", "mlp_type": "mlp2", "mm_hidden_size": 1024,
-        "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm", "patch_embed_proj_bias": False,
-        "patch_size": 14, "pos_emb_interpolation_mode": "bilinear", "pos_emb_type": "divided_fixed",
-        "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05, "qkv_hidden_size": 1536, "text_hidden_size": 7168,
-        "vt_hidden_size": 1024, "vt_intermediate_size": 4096, "vt_num_attention_heads": 12, "vt_num_hidden_layers": 27,
+        "_attn_implementation": "flash_attention_2",
+        "activation_func": "gelu_pytorch_tanh",
+        "attn_bias": False,
+        "init_pos_emb_height": 64,
+        "init_pos_emb_time": 4,
+        "init_pos_emb_width": 64,
+        "linear_bias": False,
+        "merge_kernel_size": [2, 2],
+        "merge_type": "sd2_tpool",
+        "mlp_type": "mlp2",
+        "mm_hidden_size": 1024,
+        "mm_projector_type": "patchmergerv2",
+        "norm_type": "rmsnorm",
+        "patch_embed_proj_bias": False,
+        "patch_size": 14,
+        "pos_emb_interpolation_mode": "bilinear",
+        "pos_emb_type": "divided_fixed",
+        "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-05,
+        "qkv_hidden_size": 1536,
+        "text_hidden_size": 7168,
+        "vt_hidden_size": 1024,
+        "vt_intermediate_size": 4096,
+        "vt_num_attention_heads": 12,
+        "vt_num_hidden_layers": 27,
     },
     "media_placeholder_token_id": 163605,
-}  # fmt: skip
+}
 
 
 def released(quantization_at: str = "text_config") -> dict:
@@ -200,8 +218,11 @@ def test_a_field_the_file_lacks_is_written_only_once_changed():
 
 def test_checkpoints_from_before_the_released_defaults_keep_their_eps():
     """A run folder's meta.json written before: rms_norm_eps 1e-6 explicit, no wrapper keys, "k3" on top."""
-    old_text = {k: v for k, v in K3Config.from_preset("tiny").to_hf()["text_config"].items()
-                if k not in ("architectures", "model_type", "dtype", "num_key_value_heads")}  # fmt: skip
+    old_text = {
+        k: v
+        for k, v in K3Config.from_preset("tiny").to_hf()["text_config"].items()
+        if k not in ("architectures", "model_type", "dtype", "num_key_value_heads")
+    }
     old = {"text_config": {**old_text, "rms_norm_eps": 1e-6}, "k3": {"residual": "attnres", "mla_impl": "auto"}}
     c = K3Config.from_hf(old)
     assert c.rms_norm_eps == 1e-6 and c == K3Config.from_preset("tiny", rms_norm_eps=1e-6)

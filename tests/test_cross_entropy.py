@@ -74,8 +74,10 @@ def test_infinite_logits_behave_like_torch():
     torch.testing.assert_close(cross_entropy(logits, targets), reference(logits, targets), rtol=0, atol=1e-13)
     torch.testing.assert_close(
         torch.autograd.grad(cross_entropy(logits, targets), logits)[0],
-        torch.autograd.grad(reference(logits, targets), logits)[0], rtol=0, atol=1e-14,
-    )  # fmt: skip
+        torch.autograd.grad(reference(logits, targets), logits)[0],
+        rtol=0,
+        atol=1e-14,
+    )
 
 
 def test_many_row_blocks_match_torch(monkeypatch):

@@ -66,8 +66,15 @@ def ckpts(tmp_path_factory):
 
 def _args(ckpts, out, **kw) -> DistillArgs:
     teacher = [f"reasoning-low={ckpts / 'same'}", f"reasoning-high={ckpts / 'other'}"]
-    values = dict(student=str(ckpts / "student"), out=str(out), steps=3, batch_size=4, max_new_tokens=8,
-                  teacher=teacher, progress=False)  # fmt: skip
+    values = dict(
+        student=str(ckpts / "student"),
+        out=str(out),
+        steps=3,
+        batch_size=4,
+        max_new_tokens=8,
+        teacher=teacher,
+        progress=False,
+    )
     return DistillArgs(**{**values, **kw})
 
 
@@ -96,8 +103,7 @@ def test_each_domain_is_scored_by_its_teacher(ckpts, tmp_path):
     swapped = [f"reasoning-high={ckpts / 'same'}", f"reasoning-low={ckpts / 'other'}"]
     second = Distiller(_args(ckpts, tmp_path / "b", steps=1, teacher=swapped))._step()
     assert second["loss/reasoning-high"] < 1e-6 < 1e-3 < second["loss/reasoning-low"]
-    assert route([TeacherSpec.parse("code+tests=a"), TeacherSpec.parse("docs=b")]) == {"code": 0, "tests": 0,
-                                                                                         "docs": 1}  # fmt: skip
+    assert route([TeacherSpec.parse("code+tests=a"), TeacherSpec.parse("docs=b")]) == {"code": 0, "tests": 0, "docs": 1}
 
 
 def test_kill_mid_run_resumes_to_the_same_losses(ckpts, tmp_path, monkeypatch):
@@ -154,8 +160,11 @@ def test_sft_baseline_trains_on_the_documents_continuations(ckpts, tmp_path):
 )
 def test_readable_teacher_errors(ckpts, tmp_path, teacher, message):
     with pytest.raises((TeacherError, FileNotFoundError), match=message):
-        Distiller(_args(ckpts, tmp_path / "x", teacher=[t.format(same=ckpts / "same", other=ckpts / "other")
-                                                        for t in teacher]))  # fmt: skip
+        Distiller(
+            _args(
+                ckpts, tmp_path / "x", teacher=[t.format(same=ckpts / "same", other=ckpts / "other") for t in teacher]
+            )
+        )
     assert not (tmp_path / "x").exists()  # a mistake leaves no files
 
 
@@ -169,8 +178,14 @@ def test_vocabulary_mismatch_and_mixture_errors(ckpts, tmp_path):
     model = K3Model(config)
     wider.mkdir()
     shutil.copy(ckpts / "student" / "tokenizer.json", wider)
-    save_checkpoint(wider, 0, model, build_optimizer(model, lr=1e-3, weight_decay=0.0), config,
-                    {"position": 0, "tokenizer": "tokenizer.json"})  # fmt: skip
+    save_checkpoint(
+        wider,
+        0,
+        model,
+        build_optimizer(model, lr=1e-3, weight_decay=0.0),
+        config,
+        {"position": 0, "tokenizer": "tokenizer.json"},
+    )
     with pytest.raises(TeacherError, match="vocabulary mismatch: the teacher's model has"):
         Distiller(_args(ckpts, tmp_path / "x", teacher=[f"all={wider}"]))
     retokenized = tmp_path / "retok"
@@ -188,10 +203,26 @@ def test_vocabulary_mismatch_and_mixture_errors(ckpts, tmp_path):
 
 def test_k3_distill_command(ckpts, tmp_path, capsys):
     out = tmp_path / "merged"
-    argv = ["distill", "--student", str(ckpts / "student"), "--teacher", f"reasoning-low={ckpts / 'same'}",
-            "--teacher", f"reasoning-high={ckpts / 'other'}", "--mix", "reasoning-low=1,reasoning-high=3",
-            "--steps", "2", "--batch-size", "2", "--max-new-tokens", "4", "--no-progress",
-            "--out", str(out)]  # fmt: skip
+    argv = [
+        "distill",
+        "--student",
+        str(ckpts / "student"),
+        "--teacher",
+        f"reasoning-low={ckpts / 'same'}",
+        "--teacher",
+        f"reasoning-high={ckpts / 'other'}",
+        "--mix",
+        "reasoning-low=1,reasoning-high=3",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["step"] == 2 and "loss" in summary
@@ -226,10 +257,31 @@ def test_sigkill_mid_run_resumes_to_the_same_losses(ckpts, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def command(out):
-        return [sys.executable, "-m", "k3.cli", "distill", "--student", str(ckpts / "student"), "--teacher",
-                f"all={ckpts / 'other'}", "--mix", "reasoning-low=1,reasoning-high=1", "--steps", "30",
-                "--batch-size", "2", "--max-new-tokens", "4", "--ckpt-every", "4", "--refresh-every", "3",
-                "--no-progress", "--out", str(out)]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "k3.cli",
+            "distill",
+            "--student",
+            str(ckpts / "student"),
+            "--teacher",
+            f"all={ckpts / 'other'}",
+            "--mix",
+            "reasoning-low=1,reasoning-high=1",
+            "--steps",
+            "30",
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--ckpt-every",
+            "4",
+            "--refresh-every",
+            "3",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
 
     def losses(out):
         from k3.formats.files import latest_timeline, read_jsonl

@@ -45,11 +45,14 @@ def g():
 def test_split_source_separates_code_from_docstrings_and_comments():
     code, docs = split_source(SOURCE)
     # runs of blank lines left by removed lines become one blank line
-    assert code == ('import os\n\ndef f(x):\n    return 2 * x\n\nclass C:\n    ...\n\n'
-                    'def g():\n    "one line"; return 1\n')  # fmt: skip
+    assert code == (
+        'import os\n\ndef f(x):\n    return 2 * x\n\nclass C:\n    ...\n\ndef g():\n    "one line"; return 1\n'
+    )
     ast.parse(code)  # still Python: a body that was only a docstring keeps "..."
-    assert docs == ("Module docstring.\na leading comment\nwhy os\nReturn x doubled.\n\nMore words.\ndoubled\n"
-                    "Only a docstring.\none line\n")  # fmt: skip
+    assert docs == (
+        "Module docstring.\na leading comment\nwhy os\nReturn x doubled.\n\nMore words.\ndoubled\n"
+        "Only a docstring.\none line\n"
+    )
     assert split_source("def broken(:\n") is None
 
 
@@ -113,9 +116,28 @@ def test_k3_train_data_domain(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "reasoning-low").mkdir()  # a bare domain name is the domain, whatever folders exist here
-    rc = main(["train", "--preset", "tiny", "--data", "reasoning-low", "--vocab-size", "300", "--steps", "1",
-               "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--no-progress",
-               "--out", "run"])  # fmt: skip
+    rc = main(
+        [
+            "train",
+            "--preset",
+            "tiny",
+            "--data",
+            "reasoning-low",
+            "--vocab-size",
+            "300",
+            "--steps",
+            "1",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "32",
+            "--eval-batches",
+            "1",
+            "--no-progress",
+            "--out",
+            "run",
+        ]
+    )
     assert rc == 0
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["data"]["path"] == "reasoning-low"

@@ -76,8 +76,11 @@ def _check(out_dir, tokens: int, quantization: str | None, world: int) -> None:
             else:  # replicated: the ranks' gradients sum to the single process's (data parallel)
                 summed[name] = summed.get(name, 0) + grad
         experts_with_grad = {n for n in got["grads"] if ".experts." in n}
-        expected = {n for n, p in ref.items() if ".experts." in n and p.grad is not None
-                    and int(n.split(".experts.")[1].split(".")[0]) in got["mine"]}  # fmt: skip
+        expected = {
+            n
+            for n, p in ref.items()
+            if ".experts." in n and p.grad is not None and int(n.split(".experts.")[1].split(".")[0]) in got["mine"]
+        }
         assert experts_with_grad == expected
     for name, grad in summed.items():
         torch.testing.assert_close(grad, ref[name].grad, rtol=1e-10, atol=1e-12)
@@ -108,9 +111,11 @@ def _balance(gate, x_TD, steps: int = 3) -> torch.Tensor:
 
 def _matrices():
     g = torch.Generator().manual_seed(3)
-    weights = {"q": torch.randn(10, 6, generator=g, dtype=torch.float64),  # 2 heads of 5 rows
-               "o": torch.randn(5, 4, generator=g, dtype=torch.float64),  # rows 3 + 2 over 2 ranks
-               "v": torch.randn(7, generator=g, dtype=torch.float64)}  # fmt: skip
+    weights = {
+        "q": torch.randn(10, 6, generator=g, dtype=torch.float64),  # 2 heads of 5 rows
+        "o": torch.randn(5, 4, generator=g, dtype=torch.float64),  # rows 3 + 2 over 2 ranks
+        "v": torch.randn(7, generator=g, dtype=torch.float64),
+    }
     grads = [{k: torch.randn(w.shape, generator=g, dtype=torch.float64) for k, w in weights.items()} for _ in range(3)]
     return weights, grads
 

@@ -33,8 +33,9 @@ def _k3(*argv, kill: str | None = None) -> subprocess.CompletedProcess:
     env.pop("K3_TEST_KILL", None)
     if kill is not None:
         env["K3_TEST_KILL"] = kill
-    return subprocess.run([sys.executable, "-m", "k3.cli", *map(str, argv)], env=env, capture_output=True, text=True,
-                          timeout=180)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "k3.cli", *map(str, argv)], env=env, capture_output=True, text=True, timeout=180
+    )
 
 
 def _losses(run) -> dict[int, float]:

@@ -26,10 +26,13 @@ CASES = {
     "kda_gate": lambda x: kda_gate(x, _x(5, seed=8), _x(35, seed=9), -5.0),
     "situ": lambda x: situ(x, _x(3, 5, 7, seed=2)),
     "short_conv": lambda x: causal_conv(x, _x(7, 1, 4, seed=3), None)[0],
-    "attn_res": lambda x: attn_res([x, _x(3, 5, 7, seed=4)], nn.Linear(7, 1, bias=False).double(),
-                                   type("Norm", (), {"weight": torch.ones(7, dtype=torch.float64), "eps": 1e-6})()),
+    "attn_res": lambda x: attn_res(
+        [x, _x(3, 5, 7, seed=4)],
+        nn.Linear(7, 1, bias=False).double(),
+        type("Norm", (), {"weight": torch.ones(7, dtype=torch.float64), "eps": 1e-6})(),
+    ),
     "cross_entropy": lambda x: cross_entropy(x.reshape(15, 7), torch.arange(15) % 7),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -21,8 +21,9 @@ def model() -> K3Model:
 
 
 def engine(model, num_pages=400, caching=True, **sched) -> LLMEngine:
-    return LLMEngine(model, TOK, EngineConfig(num_pages=num_pages, enable_prefix_caching=caching,
-                                              scheduler=SchedulerConfig(**sched)))  # fmt: skip
+    return LLMEngine(
+        model, TOK, EngineConfig(num_pages=num_pages, enable_prefix_caching=caching, scheduler=SchedulerConfig(**sched))
+    )
 
 
 def run(eng: LLMEngine, prompts, params) -> dict[str, list[int]]:
@@ -106,13 +107,21 @@ def test_admission_errors(model):
 
 def test_randomized_workload_returns_every_page(model):
     rng = random.Random(7)
-    eng = engine(model, num_pages=120, caching=True, max_batched_tokens=48, max_num_seqs=8,
-                 max_waiting_requests=1000, reserve_output_fraction=0.5)  # fmt: skip
+    eng = engine(
+        model,
+        num_pages=120,
+        caching=True,
+        max_batched_tokens=48,
+        max_num_seqs=8,
+        max_waiting_requests=1000,
+        reserve_output_fraction=0.5,
+    )
     base = [rng.randrange(256) for _ in range(48)]
     live, finished, aborted = [], 0, 0
     for i in range(300):
-        prompt = (base[: rng.randrange(0, 48)] if rng.random() < 0.5 else []) + [rng.randrange(256) for _ in
-                                                                              range(rng.randrange(1, 40))]  # fmt: skip
+        prompt = (base[: rng.randrange(0, 48)] if rng.random() < 0.5 else []) + [
+            rng.randrange(256) for _ in range(rng.randrange(1, 40))
+        ]
         params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randrange(1, 12), seed=i)
         live.append(eng.add_request(prompt, params))
         if rng.random() < 0.1 and live:

@@ -83,9 +83,11 @@ def test_cli_prints_perplexity_of_a_folder(ckpt, model64, tmp_path, capsys):
 
     assert main(["eval", "--model", str(ckpt), "--data", str(data), "--seq-len", "16"]) == 0
     line = capsys.readouterr().out
-    assert line.startswith(f"perplexity {got['perplexity']:.3f} ({got['nats_per_token']:.4f} nats/token) over "
-                           f"{len(ids) - 1} tokens of 2 files (skipped: 1 not UTF-8 text, 1 empty); windows of 16 "
-                           f"tokens; model ")  # fmt: skip
+    assert line.startswith(
+        f"perplexity {got['perplexity']:.3f} ({got['nats_per_token']:.4f} nats/token) over "
+        f"{len(ids) - 1} tokens of 2 files (skipped: 1 not UTF-8 text, 1 empty); windows of 16 "
+        f"tokens; model "
+    )
 
 
 def test_single_file_equals_api_and_default_window(ckpt, tmp_path):

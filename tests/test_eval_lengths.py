@@ -90,8 +90,10 @@ def test_cli_task_by_length_json_and_errors(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["init", "--preset", "tiny", "--out", str(run)]) == 0
     capsys.readouterr()
-    assert main(["eval", "--model", str(run), "--task", "multihop", "--lengths", "200,400", "--examples", "3",
-                 "--json"]) == 0  # fmt: skip
+    assert (
+        main(["eval", "--model", str(run), "--task", "multihop", "--lengths", "200,400", "--examples", "3", "--json"])
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert [r["length"] for r in out["results"]] == [200, 400]
     assert all(r["examples"] == 3 and 0 <= r["accuracy"] <= 1 for r in out["results"])
@@ -104,8 +106,10 @@ def test_cli_task_by_length_json_and_errors(tmp_path, capsys):
     assert main(["eval", "--model", str(run), "--task", "lm", "--lengths", "64"]) == 2
     assert "--task lm needs --data" in capsys.readouterr().err
     (tmp_path / "text.txt").write_text("def f(x):\n    return x\n" * 40)
-    assert main(["eval", "--model", str(run), "--task", "lm", "--lengths", "64,128", "--data",
-                 str(tmp_path / "text.txt")]) == 0  # fmt: skip
+    assert (
+        main(["eval", "--model", str(run), "--task", "lm", "--lengths", "64,128", "--data", str(tmp_path / "text.txt")])
+        == 0
+    )
     rows = capsys.readouterr().out.strip().splitlines()
     assert len(rows) == 2 and "nats/token" in rows[0] and "128 tokens" in rows[1]
 

@@ -25,16 +25,44 @@ def base(tmp_path_factory) -> Path:
         body = "".join(f"    total_{j} = compute(values[{j}], {i}) + offset_{i % 7}\n" for j in range(12))
         (corpus / f"module_{i:03d}.py").write_text(f"def function_{i}(values):\n{body}    return total_0\n")
     run = root / "base"
-    assert main(["train", "--preset", "tiny", "--steps", "1", "--vocab-size", "400", "--val-fraction", "0.1",
-                 "--seq-len", "64", "--batch-size", "2", "--data", str(corpus), "--out", str(run),
-                 "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "tiny",
+                "--steps",
+                "1",
+                "--vocab-size",
+                "400",
+                "--val-fraction",
+                "0.1",
+                "--seq-len",
+                "64",
+                "--batch-size",
+                "2",
+                "--data",
+                str(corpus),
+                "--out",
+                str(run),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return run
 
 
 def run_quick(name: str, out: Path, base: Path) -> dict:
     env = {**os.environ, "K3_EVIDENCE_BASE": str(base), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / f"{name}.png").stat().st_size > 10_000
     assert (out / "table.md").read_text().count("|") > 20

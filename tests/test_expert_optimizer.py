@@ -151,9 +151,24 @@ def test_trainer_records_the_option_and_resume_refuses_a_changed_one_without_ove
     from k3.train.trainer import TrainArgs, Trainer
 
     def args(**kw) -> TrainArgs:
-        return TrainArgs(**{**dict(out=str(tmp_path / "run"), preset="tiny", steps=2, batch_size=2, seq_len=16,
-                                   vocab_size=300, eval_every=100, eval_batches=1, warmup=1, data=str(corpus),
-                                   progress=False), **kw})  # fmt: skip
+        return TrainArgs(
+            **{
+                **dict(
+                    out=str(tmp_path / "run"),
+                    preset="tiny",
+                    steps=2,
+                    batch_size=2,
+                    seq_len=16,
+                    vocab_size=300,
+                    eval_every=100,
+                    eval_batches=1,
+                    warmup=1,
+                    data=str(corpus),
+                    progress=False,
+                ),
+                **kw,
+            }
+        )
 
     Trainer(args(expert_optimizer="muon-active", expert_ns_steps=3), log=lambda *a: None).train()
     flags = json.loads((tmp_path / "run" / "run.json").read_text())["flags"]
@@ -165,8 +180,9 @@ def test_trainer_records_the_option_and_resume_refuses_a_changed_one_without_ove
         Trainer(args(steps=3, resume=True, expert_optimizer="muon-active"), log=lambda *a: None)
 
     logged = []
-    trainer = Trainer(args(steps=3, resume=True, override=True, expert_optimizer="adamw", expert_ns_steps=3),
-                      log=logged.append)  # fmt: skip
+    trainer = Trainer(
+        args(steps=3, resume=True, override=True, expert_optimizer="adamw", expert_ns_steps=3), log=logged.append
+    )
     experts = routed_expert_weights(trainer.model)
     params = dict(trainer.model.named_parameters())
     assert groups_by_name(trainer.optimizer)["adamw_experts"]["algo"] == "adamw"

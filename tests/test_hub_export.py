@@ -56,8 +56,13 @@ def test_export_round_trip_is_bitwise(run, tmp_path, prefix):
     names = sorted(p.name for p in out.iterdir())
     shards = [n for n in names if n.startswith("model-")]
     assert len(shards) > 3 and shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
-    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "model.safetensors.index.json"} <= set(names)  # fmt: skip
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors.index.json",
+    } <= set(names)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     info = headers(out)
     assert index["metadata"]["total_size"] == sum(i.nbytes for i in info.values())
@@ -199,8 +204,18 @@ def test_generate_and_init_from_take_the_exported_folder(run, tmp_path, capsys):
         (corpus / f"m{i}.py").write_text(f"def f_{i}(x):\n    return x + {i}\n" * 3)
     from k3.train.trainer import TrainArgs, Trainer
 
-    args = TrainArgs(out=str(tmp_path / "ft"), init_from=str(out), data=str(corpus), batch_size=2, seq_len=16,
-                     steps=2, eval_every=2, eval_batches=1, warmup=1, progress=False)  # fmt: skip
+    args = TrainArgs(
+        out=str(tmp_path / "ft"),
+        init_from=str(out),
+        data=str(corpus),
+        batch_size=2,
+        seq_len=16,
+        steps=2,
+        eval_every=2,
+        eval_batches=1,
+        warmup=1,
+        progress=False,
+    )
     trainer = Trainer(args, log=lambda *a: None)
     source = load_pretrained(run).model
     assert trainer.config.hidden_size == 64 and trainer.tokenizer.vocab_size == 256 + len(SPECIAL_TOKENS)
@@ -208,10 +223,34 @@ def test_generate_and_init_from_take_the_exported_folder(run, tmp_path, capsys):
         assert torch.equal(a, b), name
     assert (tmp_path / "ft" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
     trainer.train()
-    assert main(["train", "--out", str(tmp_path / "ft"), "--init-from", str(out), "--data", str(corpus),
-                 "--batch-size", "2", "--seq-len", "16", "--steps", "3", "--eval-batches", "1", "--warmup", "1",
-                 "--resume", "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--out",
+                str(tmp_path / "ft"),
+                "--init-from",
+                str(out),
+                "--data",
+                str(corpus),
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--steps",
+                "3",
+                "--eval-batches",
+                "1",
+                "--warmup",
+                "1",
+                "--resume",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
-    assert main(["train", "--out", str(tmp_path / "ft2"), "--init-from", str(tmp_path / "nowhere"),
-                 "--no-progress"]) == 2  # fmt: skip
+    assert (
+        main(["train", "--out", str(tmp_path / "ft2"), "--init-from", str(tmp_path / "nowhere"), "--no-progress"]) == 2
+    )
     assert "no such checkpoint, run or model folder" in capsys.readouterr().err

@@ -17,25 +17,70 @@ from k3.hub import ModelFolderError, ReadStats, load_model_folder, read_header
 
 # A tiny K3 in the official config.json nesting; layers 1-3 KDA, 4-5 MLA, layer 1 dense.
 TEXT = {
-    "vocab_size": 256 + len(SPECIAL_TOKENS), "hidden_size": 64, "num_hidden_layers": 5, "num_attention_heads": 2,
+    "vocab_size": 256 + len(SPECIAL_TOKENS),
+    "hidden_size": 64,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 2,
     "num_key_value_heads": 2,
-    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
-    "mla_use_nope": True, "mla_use_output_gate": True, "hidden_act": "situ", "activation_situ_beta": 4.0,
-    "activation_situ_linear_beta": 25.0, "intermediate_size": 96, "first_k_dense_replace": 1, "num_experts": 4,
-    "num_experts_per_token": 2, "num_shared_experts": 1, "routed_expert_hidden_size": 32,
-    "moe_intermediate_size": 64, "latent_moe_use_norm": True, "moe_renormalize": True, "routed_scaling_factor": 1.0,
-    "moe_router_activation_func": "sigmoid", "attn_res_block_size": 2, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False, "max_position_embeddings": 4096,
-    "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4, 5], "num_heads": 2, "head_dim": 16,
-                           "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True},
-}  # fmt: skip
-QUANT = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float",
-                           "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"},
-                           "input_activations": None, "format": "mxfp4-pack-quantized"}},
-         "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*lm_head$"]}  # fmt: skip
-CONFIG = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
-          "text_config": {**TEXT, "quantization_config": QUANT}}  # fmt: skip
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+    "hidden_act": "situ",
+    "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0,
+    "intermediate_size": 96,
+    "first_k_dense_replace": 1,
+    "num_experts": 4,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 1,
+    "routed_expert_hidden_size": 32,
+    "moe_intermediate_size": 64,
+    "latent_moe_use_norm": True,
+    "moe_renormalize": True,
+    "routed_scaling_factor": 1.0,
+    "moe_router_activation_func": "sigmoid",
+    "attn_res_block_size": 2,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+    "linear_attn_config": {
+        "kda_layers": [1, 2, 3],
+        "full_attn_layers": [4, 5],
+        "num_heads": 2,
+        "head_dim": 16,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "use_full_rank_gate": True,
+    },
+}
+QUANT = {
+    "quant_method": "compressed-tensors",
+    "format": "mxfp4-pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "float",
+                "group_size": 32,
+                "strategy": "group",
+                "scale_dtype": "torch.uint8",
+            },
+            "input_activations": None,
+            "format": "mxfp4-pack-quantized",
+        }
+    },
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*lm_head$"],
+}
+CONFIG = {
+    "architectures": ["KimiK3ForConditionalGeneration"],
+    "model_type": "kimi_k3",
+    "text_config": {**TEXT, "quantization_config": QUANT},
+}
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
@@ -232,10 +277,12 @@ PACKED = "language_model.model.layers.2.block_sparse_moe.experts.3.w2.weight_pac
         (lambda f: f.__setitem__(PACKED, f[PACKED][:, :-1]), r"w2\.weight_packed: shape \[32, 31\], the packed form"),
         (lambda f: f.pop(PACKED.replace("packed", "scale")), r"w2\.weight_packed: its partner \.weight_scale is"),
         (rename("language_model.lm_head.weight", "lm_head.weight"), r"tensors under both prefixes"),
-        (lambda f: f.__setitem__(Q.replace("q_proj.weight", "A_log").replace(".1.", ".0."), torch.zeros(64)),
-         r"layers\.0\.self_attn\.A_log: shape \[64\], the config gives \[2\] or \[128\] \(padded\)"),
+        (
+            lambda f: f.__setitem__(Q.replace("q_proj.weight", "A_log").replace(".1.", ".0."), torch.zeros(64)),
+            r"layers\.0\.self_attn\.A_log: shape \[64\], the config gives \[2\] or \[128\] \(padded\)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_names_and_shapes_are_checked_before_any_read(tmp_path, change, pattern):
     expect(variant(tmp_path, change), pattern)
 

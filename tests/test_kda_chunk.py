@@ -219,8 +219,7 @@ def test_backward_is_hand_written_and_keeps_only_inputs_and_chunk_states():
     not autograd's intermediates (the in-chunk matrices, the WY factors, the decay factors)."""
     B, T, H, K, V = 2, 150, 3, 16, 24
     q, k, v, g, beta = (x.requires_grad_() for x in make_inputs(B, T, H, K, V))
-    o, _ = chunk_kda(q, k, v, g, beta, initial_state=random_state(B, H, K, V).requires_grad_(),
-                     output_final_state=True)  # fmt: skip
+    o, _ = chunk_kda(q, k, v, g, beta, initial_state=random_state(B, H, K, V).requires_grad_(), output_final_state=True)
     node = o.grad_fn
     while node is not None and type(node).__name__ != "ChunkKDAFunctionBackward":
         node = node.next_functions[0][0]

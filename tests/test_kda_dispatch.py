@@ -53,8 +53,20 @@ def test_chunk_through_the_standin_equals_the_torch_path(standin, HV):
 
     def run(backend):
         def fn(q, k, v, g, beta, h0, A_log, dt_bias):
-            return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                             A_log=A_log, dt_bias=dt_bias, backend=backend, **FLAGS)  # fmt: skip
+            return chunk_kda(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=h0,
+                output_final_state=True,
+                cu_seqlens=cu,
+                A_log=A_log,
+                dt_bias=dt_bias,
+                backend=backend,
+                **FLAGS,
+            )
 
         return grads_of(fn, [q, k, v, g, beta, h0, A_log, dt_bias])
 
@@ -71,8 +83,16 @@ def test_chunk_new_fla_arguments_agree(standin):
     q, k, v, g, beta, A_log, dt_bias = raw_inputs(1, 100)
     cu = torch.tensor([0, 30, 100])
     h0 = random_state(2, 2, 16, 16, dtype=torch.float32)
-    kw = dict(A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), output_final_state=True,
-              state_v_first=True, chunk_size=32, **FLAGS)  # fmt: skip
+    kw = dict(
+        A_log=A_log,
+        dt_bias=dt_bias,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu.clone(),
+        output_final_state=True,
+        state_v_first=True,
+        chunk_size=32,
+        **FLAGS,
+    )
     with torch.inference_mode():
         fla = chunk_kda(q, k, v, g, beta, initial_state=h0, return_intermediate_states=True, backend="fla", **kw)
         tch = chunk_kda(q, k, v, g, beta, initial_state=h0, return_intermediate_states=True, backend="torch", **kw)
@@ -103,10 +123,12 @@ def test_batched_in_place_decode_with_the_layers_views(standin):
     S_torch = S_fla.clone()
     for t in range(6):
         step = [x[:, t : t + 1] for x in (q, k, v, g, beta)]
-        o1, _ = fused_recurrent_kda(*step, A_log, dt_bias, initial_state=S_fla, inplace_final_state=True,
-                                    backend="fla", **FLAGS)  # fmt: skip
-        o2, _ = fused_recurrent_kda(*step, A_log, dt_bias, initial_state=S_torch, inplace_final_state=True,
-                                    backend="torch", **FLAGS)  # fmt: skip
+        o1, _ = fused_recurrent_kda(
+            *step, A_log, dt_bias, initial_state=S_fla, inplace_final_state=True, backend="fla", **FLAGS
+        )
+        o2, _ = fused_recurrent_kda(
+            *step, A_log, dt_bias, initial_state=S_torch, inplace_final_state=True, backend="torch", **FLAGS
+        )
         assert rel_rms(o1, o2) < 1e-6
     assert rel_rms(S_fla, S_torch) < 1e-6
     assert "fused_recurrent_kda_fwd" in standin
@@ -137,13 +159,33 @@ def test_per_token_indices_write_every_tokens_state(standin):
     idx = torch.tensor([[0, 1, 2, -1], [3, 4, 5, 6]])  # -1: a padding slot past sequence 0's 3 tokens
     pools = {b: random_state(8, 2, 16, 16, dtype=torch.float32) for b in ("fla", "torch")}
     for b, pool in pools.items():
-        fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, initial_state=pool, cu_seqlens=cu,
-                            ssm_state_indices=idx, inplace_final_state=True, backend=b, **FLAGS)  # fmt: skip
+        fused_recurrent_kda(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log,
+            dt_bias,
+            initial_state=pool,
+            cu_seqlens=cu,
+            ssm_state_indices=idx,
+            inplace_final_state=True,
+            backend=b,
+            **FLAGS,
+        )
     assert rel_rms(pools["fla"], pools["torch"]) < 1e-6
     # row 2 is sequence 0 after its 3 tokens: what a plain call from row 0's old state gives
     start = random_state(8, 2, 16, 16, dtype=torch.float32)[0:1]
-    _, S = fused_recurrent_kda(*(x[:, :3] for x in (q, k, v, g, beta)), A_log, dt_bias, initial_state=start,
-                               output_final_state=True, backend="torch", **FLAGS)  # fmt: skip
+    _, S = fused_recurrent_kda(
+        *(x[:, :3] for x in (q, k, v, g, beta)),
+        A_log,
+        dt_bias,
+        initial_state=start,
+        output_final_state=True,
+        backend="torch",
+        **FLAGS,
+    )
     assert rel_rms(pools["torch"][2], S[0]) < 1e-6
 
 

@@ -56,8 +56,15 @@ def raw(B, T, H, K, V, HV=None, seed=0):
     q, k, v, g, beta = make_inputs(B, T, H, K, V, HV=HV, seed=seed, raw=True)
     gen = torch.Generator().manual_seed(seed + 3)
     HV = HV or H
-    return [q, k, v, g, beta, torch.randn(HV, generator=gen, dtype=torch.float64) * 0.5,
-            torch.randn(HV * K, generator=gen, dtype=torch.float64)]  # fmt: skip
+    return [
+        q,
+        k,
+        v,
+        g,
+        beta,
+        torch.randn(HV, generator=gen, dtype=torch.float64) * 0.5,
+        torch.randn(HV * K, generator=gen, dtype=torch.float64),
+    ]
 
 
 def tolerance(backend: str, dtype: torch.dtype) -> float:
@@ -81,8 +88,20 @@ def test_cuda_chunk_matches_cpu_reference(backend, dtype, T, HV, cu):
 
     def call(device_backend, cu_seqlens):
         def fn(q, k, v, g, beta, A_log, dt_bias, h0):
-            return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, A_log=A_log,
-                             dt_bias=dt_bias, cu_seqlens=cu_seqlens, backend=device_backend, **FLAGS)  # fmt: skip
+            return chunk_kda(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                initial_state=h0,
+                output_final_state=True,
+                A_log=A_log,
+                dt_bias=dt_bias,
+                cu_seqlens=cu_seqlens,
+                backend=device_backend,
+                **FLAGS,
+            )
 
         return fn
 
@@ -105,8 +124,9 @@ def test_cuda_decode_in_place_over_a_pool(backend):
     B, T, H, K, V = 3, 8, 2, 64, 64
     q, k, v, g, beta, A_log, dt_bias = raw(B, T, H, K, V)
     h0 = random_state(B, H, K, V)
-    ref_o, ref_S = chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
-                             output_final_state=True, **FLAGS)  # fmt: skip
+    ref_o, ref_S = chunk_kda(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0, output_final_state=True, **FLAGS
+    )
     qkv = torch.cat([x.reshape(B, T, H * K) for x in (q, k, v)], dim=-1).float().cuda()
     q1, k1, v1 = (x.reshape(B, T, H, K) for x in qkv.split(H * K, dim=-1))  # views, as the layer has them
     g1, b1, A1, d1 = (x.float().cuda() for x in (g, beta, A_log, dt_bias))
@@ -117,8 +137,16 @@ def test_cuda_decode_in_place_over_a_pool(backend):
     outs = []
     for t in range(T):
         step = [x[:, t : t + 1] for x in (q1, k1, v1, g1, b1)]
-        o, _ = fused_recurrent_kda(*step, A1, d1, initial_state=pool, ssm_state_indices=rows,
-                                   inplace_final_state=True, backend=backend, **FLAGS)  # fmt: skip
+        o, _ = fused_recurrent_kda(
+            *step,
+            A1,
+            d1,
+            initial_state=pool,
+            ssm_state_indices=rows,
+            inplace_final_state=True,
+            backend=backend,
+            **FLAGS,
+        )
         outs.append(o)
     assert rel_rms(torch.cat(outs, dim=1).cpu(), ref_o) < 5e-3
     assert rel_rms(pool[rows].cpu(), ref_S) < 5e-3
@@ -134,13 +162,20 @@ def test_cuda_several_tokens_per_sequence_into_pool_rows(backend):
     B, T, H, K, V = 2, 5, 2, 64, 64
     q, k, v, g, beta, A_log, dt_bias = raw(B, T, H, K, V, seed=4)
     h0 = random_state(B, H, K, V)
-    ref_o, ref_S = chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
-                             output_final_state=True, **FLAGS)  # fmt: skip
+    ref_o, ref_S = chunk_kda(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0, output_final_state=True, **FLAGS
+    )
     pool = torch.zeros(4, H, K, V, device="cuda")
     rows = torch.tensor([3, 1], device="cuda")
     pool[rows] = h0.float().cuda()
-    o, _ = fused_recurrent_kda(*(x.float().cuda() for x in (q, k, v, g, beta, A_log, dt_bias)), initial_state=pool,
-                               ssm_state_indices=rows, inplace_final_state=True, backend=backend, **FLAGS)  # fmt: skip
+    o, _ = fused_recurrent_kda(
+        *(x.float().cuda() for x in (q, k, v, g, beta, A_log, dt_bias)),
+        initial_state=pool,
+        ssm_state_indices=rows,
+        inplace_final_state=True,
+        backend=backend,
+        **FLAGS,
+    )
     assert rel_rms(o.cpu(), ref_o) < 5e-3 and rel_rms(pool[rows].cpu(), ref_S) < 5e-3
     assert pool[[0, 2]].abs().sum() == 0
 

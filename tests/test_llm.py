@@ -143,8 +143,11 @@ def test_outputs_longer_than_the_pool_make_progress(ckpt):
 def test_prompt_beyond_the_context_is_refused(ckpt):
     with LLM(str(ckpt), memory_budget=32 << 20) as llm:
         limit = llm.engine.model.config.max_position_embeddings
-        with pytest.raises(ValueError, match=rf"the prompt's 3 tokens \+ max_tokens {limit - 2:,} = {limit + 1:,} "
-                                             rf"exceed the context of {limit:,} tokens"):  # fmt: skip
+        with pytest.raises(
+            ValueError,
+            match=rf"the prompt's 3 tokens \+ max_tokens {limit - 2:,} = {limit + 1:,} "
+            rf"exceed the context of {limit:,} tokens",
+        ):
             llm.generate([1, 2, 3], SamplingParams(max_tokens=limit - 2))
         assert llm.generate([1, 2, 3], SamplingParams(max_tokens=4))[0].finish_reason in ("length", "stop")
     with LLM(str(ckpt), memory_budget=32 << 20, max_model_len=10) as llm:
@@ -163,8 +166,24 @@ def test_cli_generate_uses_the_engine(ckpt, capsys):
     assert main(["generate", "--ckpt", str(ckpt), "--top-p", "2", "hello"]) == 2
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
     # the pool sized in pages instead of bytes: --verbose prints its capacity at start-up; too small says why
-    assert main(["generate", "--ckpt", str(ckpt), "--max-tokens", "5", "--temperature", "0", "--num-pages", "40",
-                 "--verbose", "hello"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--ckpt",
+                str(ckpt),
+                "--max-tokens",
+                "5",
+                "--temperature",
+                "0",
+                "--num-pages",
+                "40",
+                "--verbose",
+                "hello",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     assert out.out == plain and "page pool: 40 pages" in out.err
     assert main(["generate", "--ckpt", str(ckpt), "--num-pages", "2", "hello"]) == 2

@@ -207,8 +207,9 @@ def test_chat_logprobs_in_openai_format(served, model):
         assert [a.logprob for a in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-9)
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-12)
 
-    streamed = list(served.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, stream=True,
-                                                   **GREEDY))  # fmt: skip
+    streamed = list(
+        served.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, stream=True, **GREEDY)
+    )
     entries = [e for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
     assert [(e.token, e.bytes, [(a.token, a.bytes) for a in e.top_logprobs]) for e in entries] == [
         (e.token, e.bytes, [(a.token, a.bytes) for a in e.top_logprobs]) for e in content
@@ -223,11 +224,13 @@ def test_chat_logprobs_in_openai_format(served, model):
 
 @pytest.mark.parametrize(
     ("kwargs", "param", "needle"),
-    [({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
-     ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
-     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
-     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "greater than or equal to 0")],
-)  # fmt: skip
+    [
+        ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "greater than or equal to 0"),
+    ],
+)
 def test_chat_logprobs_refused_by_name(served, kwargs, param, needle):
     with pytest.raises(openai.BadRequestError) as e:
         served.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kwargs, **GREEDY)
@@ -243,8 +246,16 @@ def test_completion_logprobs_refused_by_name(served, logprobs, needle):
 
 
 def test_each_of_n_sampled_choices_gets_its_own_logprobs(served):
-    done = served.completions.create(prompt="two ways: ", n=2, logprobs=2, seed=5, model=MODEL, max_tokens=5,
-                                     temperature=1.0, extra_body={"ignore_eos": True})  # fmt: skip
+    done = served.completions.create(
+        prompt="two ways: ",
+        n=2,
+        logprobs=2,
+        seed=5,
+        model=MODEL,
+        max_tokens=5,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
     first, second = (c.logprobs for c in sorted(done.choices, key=lambda c: c.index))
     assert len(first.tokens) == len(second.tokens) == 5 and first.tokens != second.tokens
     for lp in (first, second):

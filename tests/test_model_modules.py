@@ -187,17 +187,26 @@ def test_attn_res_matches_the_equation():
 def test_checkpoint_parameter_names():
     names = set(K3Model(TINY).state_dict())
     expected = {
-        "model.embed_tokens.weight", "model.norm.weight", "model.output_attn_res_proj.weight",
-        "model.output_attn_res_norm.weight", "lm_head.weight", "model.layers.0.mlp.gate_proj.weight",
-        "model.layers.0.self_attn.f_a_proj.weight", "model.layers.0.self_attn.q_conv1d.weight",
-        "model.layers.0.self_attn.A_log", "model.layers.0.self_attention_res_proj.weight",
-        "model.layers.0.mlp_res_norm.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
-        "model.layers.3.self_attn.q_a_layernorm.weight", "model.layers.3.self_attn.g_proj.weight",
-        "model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.gate.e_score_correction_bias",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "model.output_attn_res_proj.weight",
+        "model.output_attn_res_norm.weight",
+        "lm_head.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.self_attn.f_a_proj.weight",
+        "model.layers.0.self_attn.q_conv1d.weight",
+        "model.layers.0.self_attn.A_log",
+        "model.layers.0.self_attention_res_proj.weight",
+        "model.layers.0.mlp_res_norm.weight",
+        "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
+        "model.layers.3.self_attn.q_a_layernorm.weight",
+        "model.layers.3.self_attn.g_proj.weight",
+        "model.layers.1.block_sparse_moe.gate.weight",
+        "model.layers.1.block_sparse_moe.gate.e_score_correction_bias",
         "model.layers.1.block_sparse_moe.experts.7.w2.weight",
         "model.layers.1.block_sparse_moe.routed_expert_norm.weight",
         "model.layers.1.block_sparse_moe.shared_experts.down_proj.weight",
-    }  # fmt: skip
+    }
     assert expected <= names
 
 

@@ -124,11 +124,13 @@ def test_pieces_of_one_sequence_in_one_forward_and_checkpoints():
     first = one.latent_pages[0]
     assert one.latent_pages == list(range(first, first + len(one.latent_pages)))  # one run: read in place
     checkpoints = [pool.allocate(layout.n_kda) for _ in range(2)]
-    plan = StepPlan([
-        dataclasses.replace(prefill_piece(one, 0, 10, 0, checkpoints[0]), sample=True),
-        dataclasses.replace(prefill_piece(one, 10, 20, 1, checkpoints[1]), sample=True),
-        prefill_piece(one, 20, 50, 2),
-    ])  # fmt: skip
+    plan = StepPlan(
+        [
+            dataclasses.replace(prefill_piece(one, 0, 10, 0, checkpoints[0]), sample=True),
+            dataclasses.replace(prefill_piece(one, 10, 20, 1, checkpoints[1]), sample=True),
+            prefill_piece(one, 20, 50, 2),
+        ]
+    )
     logits = run(runner, plan)
     assert one.num_computed_tokens == 50
     for row, end in zip(logits, (10, 20, 50), strict=True):

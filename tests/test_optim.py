@@ -262,8 +262,9 @@ def test_every_parameter_lands_where_the_spec_says():
     assert {n: got[n] for n in expected} == expected
     # the rule, not just the samples: per-head Muon only on the Q, K, V projections; Muon only on matrices
     per_head = {n for n, (algo, heads, _) in got.items() if algo == "muon" and heads != 1}
-    assert per_head == {n for n in got if n.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "q_b_proj",
-                                                                    "kv_b_proj")}  # fmt: skip
+    assert per_head == {
+        n for n in got if n.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj")
+    }
     params = dict(model.named_parameters())
     assert all(params[n].ndim == 2 for n, (algo, _, _) in got.items() if algo == "muon")
 

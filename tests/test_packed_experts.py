@@ -77,8 +77,9 @@ def test_state_dict_names_are_the_release_names_and_load_back():
     L, I = packed.config.routed_expert_hidden_size, packed.config.moe_intermediate_size
     assert state[f"{key}.weight_packed"].shape == (I, L // 2) and state[f"{key}.weight_scale"].shape == (I, L // 32)
     assert not any(k.endswith(".weight") and ".experts." in k for k in state)
-    assert set(state) - set(expert_keys) == set(reference.state_dict()) - {k for k in reference.state_dict()
-                                                                          if ".experts." in k}  # fmt: skip
+    assert set(state) - set(expert_keys) == set(reference.state_dict()) - {
+        k for k in reference.state_dict() if ".experts." in k
+    }
     fresh = copy.deepcopy(packed)
     for m in fresh.modules():
         if isinstance(m, MXFP4Linear):

@@ -85,20 +85,27 @@ def test_two_layer_flops_and_memory_by_hand(two_layers):
     report = param_report(c, context=ctx)
     d, H, K = c.hidden_size, c.kda_num_heads, c.kda_head_dim
     vectors = (  # active parameters that are gains or per-channel vectors, not matmul weights
-        H + H * K + K  # KDA A_log, dt_bias, o_norm
-        + c.q_lora_rank + c.kv_lora_rank  # MLA q_a_layernorm, kv_a_layernorm
+        H
+        + H * K
+        + K  # KDA A_log, dt_bias, o_norm
+        + c.q_lora_rank
+        + c.kv_lora_rank  # MLA q_a_layernorm, kv_a_layernorm
         + c.routed_expert_hidden_size  # routed_expert_norm
-        + 2 * 2 * d + d  # AttnRes key norms (2 per layer) and output_attn_res_norm
-        + 2 * 2 * d + d  # input/post-attention norms and model.norm
-    )  # fmt: skip
+        + 2 * 2 * d
+        + d  # AttnRes key norms (2 per layer) and output_attn_res_norm
+        + 2 * 2 * d
+        + d  # input/post-attention norms and model.norm
+    )
     matmul = report["active"] - c.vocab_size * d - vectors  # the input embedding is a lookup
     assert report["active_matmul"] == matmul
     mla_attn = 1 * 2 * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * ctx  # 1 MLA layer
     kda_state = 1 * 7 * H * K * K  # 1 KDA layer, 7·H·K·V
     assert report["flops_per_token"] == {
-        "matmul": 2 * matmul, "mla_attention": mla_attn, "kda_state": kda_state,
+        "matmul": 2 * matmul,
+        "mla_attention": mla_attn,
+        "kda_state": kda_state,
         "total": 2 * matmul + mla_attn + kda_state,
-    }  # fmt: skip
+    }
     cache = report["cache"]
     assert cache["mla_bytes_per_token"] == 1 * (16 + 8) * 2  # kv_lora_rank + qk_rope_head_dim, bf16
     assert cache["mha_bytes_per_token"] == 1 * (2 * 24 + 2 * 16) * 2  # H·qk_head_dim keys + H·v_head_dim values
@@ -109,8 +116,13 @@ def test_non_latent_moe_by_hand(two_layers):
     c = two_layers
     report = param_report(c, context=0)
     plain = report["non_latent_moe"]
-    d, L, I, E, k = (c.hidden_size, c.routed_expert_hidden_size, c.moe_intermediate_size, c.num_experts,
-                     c.num_experts_per_token)  # fmt: skip
+    d, L, I, E, k = (
+        c.hidden_size,
+        c.routed_expert_hidden_size,
+        c.moe_intermediate_size,
+        c.num_experts,
+        c.num_experts_per_token,
+    )
     full_expert, latent_expert = 3 * d * I, 3 * L * I
     latent_path = 2 * d * L + L  # down, up projections and the latent norm, gone without a latent
     assert plain["total"] == report["total"] - E * latent_expert - latent_path + E * full_expert
@@ -127,11 +139,17 @@ def test_non_latent_moe_by_hand(two_layers):
         K3Config.from_preset("tiny"),
         K3Config.from_preset("small"),
         K3Config.from_preset("tiny", residual="standard", first_k_dense_replace=0),
-        K3Config.from_preset("tiny", q_lora_rank=None, use_full_rank_gate=False, latent_moe_use_norm=False,
-                             num_shared_experts=0, tie_word_embeddings=True),
+        K3Config.from_preset(
+            "tiny",
+            q_lora_rank=None,
+            use_full_rank_gate=False,
+            latent_moe_use_norm=False,
+            num_shared_experts=0,
+            tie_word_embeddings=True,
+        ),
     ],
     ids=["tiny", "small", "standard-residual", "other-switches"],
-)  # fmt: skip
+)
 def test_every_parameter_lands_in_exactly_one_component(config):
     model = K3Model(config)
     counted = dict.fromkeys(COMPONENTS, 0)

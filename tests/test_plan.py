@@ -39,8 +39,9 @@ def test_the_plan_of_a_mixed_step_is_what_the_scheduler_promised():
     plan = sched.schedule()
     assert plan.decode == [DecodeRow(a, 10, (7,), tuple(a.latent_pages), tuple(a.state_pages))]
     assert [(p.seq, p.start, p.end, p.phase, p.sample) for p in plan.prefill] == [
-        (b, 0, 32, 0, False), (b, 32, 59, 1, False),
-    ]  # fmt: skip  # 59 = the 60-token budget less A's decode; split at the checkpoint at 32
+        (b, 0, 32, 0, False),
+        (b, 32, 59, 1, False),
+    ]  # 59 = the 60-token budget less A's decode; split at the checkpoint at 32
     assert [p.token_ids for p in plan.prefill] == [tuple(range(100, 132)), tuple(range(132, 159))]
     assert all(p.latent_pages == tuple(b.latent_pages) and p.state_pages == tuple(b.state_pages) for p in plan.prefill)
     assert len(b.latent_pages) == math.ceil(59 / 16) and len(b.state_pages) == LAYOUT.n_kda
@@ -58,8 +59,9 @@ def test_the_plan_of_a_mixed_step_is_what_the_scheduler_promised():
     a.append_token(8)
     plan = sched.schedule()  # B's last piece ends at its last prompt token: sampled, after the checkpoint at 64
     assert [(p.start, p.end, p.phase, p.sample, p.checkpoint_pages is not None) for p in plan.prefill] == [
-        (59, 64, 0, False, True), (64, 70, 1, True, False),
-    ]  # fmt: skip
+        (59, 64, 0, False, True),
+        (64, 70, 1, True, False),
+    ]
     assert plan.sampled == [plan.prefill[1], *plan.decode]
     sched.abandon(plan)  # a failed forward: the reserved pages come back, progress stays
     held = a.latent_pages + a.state_pages + b.latent_pages + b.state_pages

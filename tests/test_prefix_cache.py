@@ -118,8 +118,12 @@ def test_commit_match_and_checkpoints():
     assert cache.stats == stats(units_committed=2, checkpoints_stored=1, checkpoints_existing=1)
     h = unit_hashes(a, BLOCK)
     assert [pool.key(p) for p in A.latent_pages] == [
-        ("lat", h[0], 0), ("lat", h[0], 1), ("lat", h[1], 0), ("lat", h[1], 1), None,
-    ]  # fmt: skip
+        ("lat", h[0], 0),
+        ("lat", h[0], 1),
+        ("lat", h[1], 0),
+        ("lat", h[1], 1),
+        None,
+    ]
     cache.check()
     pool.check()
 
@@ -144,9 +148,14 @@ def test_commit_match_and_checkpoints():
     assert [pool.refcount(p) for p in m.checkpoint_pages] == [0] * 3  # copied, not held
     assert torch.equal(pool.storage[B.state_pages], pool.storage[A.state_pages])
     assert cache.stats == stats(
-        queries=1, query_tokens=90, latent_hit_tokens=64, state_hit_tokens=64, units_committed=2,
-        checkpoints_stored=1, checkpoints_existing=1,
-    )  # fmt: skip
+        queries=1,
+        query_tokens=90,
+        latent_hit_tokens=64,
+        state_hit_tokens=64,
+        units_committed=2,
+        checkpoints_stored=1,
+        checkpoints_existing=1,
+    )
 
     # the same units computed privately by another sequence stay private
     C = Sequence("C", a)
@@ -286,7 +295,7 @@ def test_hit_resumes_from_checkpoint_and_matches_uncached():
     assert B.latent_pages[:6] == A.latent_pages[:6] and B.num_cached_tokens == 96
     assert cache.stats == stats(
         queries=2, query_tokens=232, latent_hit_tokens=96, state_hit_tokens=96, units_committed=3, checkpoints_stored=2
-    )  # fmt: skip
+    )
     free(pool, A)
     free(pool, B)
 
@@ -295,9 +304,13 @@ def test_hit_resumes_from_checkpoint_and_matches_uncached():
     assert C.num_cached_tokens == 64
     free(pool, C)
     assert cache.stats == stats(
-        queries=3, query_tokens=326, latent_hit_tokens=160, state_hit_tokens=160, units_committed=3,
+        queries=3,
+        query_tokens=326,
+        latent_hit_tokens=160,
+        state_hit_tokens=160,
+        units_committed=3,
         checkpoints_stored=2,
-    )  # fmt: skip
+    )
 
     # pressure: the LRU head is now the checkpoint at 96; evicting one of its pages drops all three
     pool.release(pool.allocate(pool.num_free + 1))
@@ -307,9 +320,14 @@ def test_hit_resumes_from_checkpoint_and_matches_uncached():
     B2 = h.run("B2", b, decode_steps=6)
     assert pool.key(B2.latent_pages[4]) is None  # recomputed unit 2 is cached already: B2's copy stays private
     assert cache.stats == stats(
-        queries=4, query_tokens=446, latent_hit_tokens=256, state_hit_tokens=224, units_committed=3,
-        checkpoints_stored=3, evicted_checkpoints=1,
-    )  # fmt: skip
+        queries=4,
+        query_tokens=446,
+        latent_hit_tokens=256,
+        state_hit_tokens=224,
+        units_committed=3,
+        checkpoints_stored=3,
+        evicted_checkpoints=1,
+    )
     free(pool, B2)
 
     # evict everything in one allocate: whole groups go, and the next prompt starts from scratch, still exact

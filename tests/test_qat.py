@@ -26,8 +26,12 @@ from k3.serve.scheduler import SchedulerConfig
 from tiny_runs import tiny_train_args
 
 FORMATS = [FP4_E2M1, FP8_E4M3, FP8_E5M2]
-EXPONENT_RANGE = {torch.float32: (-150, 126), torch.bfloat16: (-135, 126), torch.float16: (-25, 14),
-                  torch.float64: (-300, 300)}  # fmt: skip
+EXPONENT_RANGE = {
+    torch.float32: (-150, 126),
+    torch.bfloat16: (-135, 126),
+    torch.float16: (-25, 14),
+    torch.float64: (-300, 300),
+}
 
 
 def wide_range(dtype: torch.dtype, rows: int = 32, blocks: int = 64, seed: int = 0) -> torch.Tensor:
@@ -79,8 +83,14 @@ def test_fake_quantize_hand_values():
 
 def hand_sized_moe(dtype=torch.float64) -> LatentMoE:
     """Two experts of 32 x 32, MXFP4 / MXFP8: one block per row, so every quantiser is hand-checkable."""
-    config = K3Config.from_preset("tiny", routed_expert_hidden_size=32, moe_intermediate_size=32, num_experts=2,
-                                  num_experts_per_token=1, expert_quantization="mxfp4")  # fmt: skip
+    config = K3Config.from_preset(
+        "tiny",
+        routed_expert_hidden_size=32,
+        moe_intermediate_size=32,
+        num_experts=2,
+        num_experts_per_token=1,
+        expert_quantization="mxfp4",
+    )
     torch.manual_seed(0)
     return LatentMoE(config).to(dtype)
 
@@ -169,8 +179,9 @@ def test_the_packed_export_computes_the_trained_function_bitwise(tmp_path):
     short_ids = long_ids[:, :45]
     trained = {ids.shape[1]: model(ids, labels=ids) for ids in (long_ids, short_ids)}  # grad on: the training forward
     tensors = release_tensors(model.state_dict(), model.config, quantize="mxfp4")
-    folder = write_model_folder(tensors, release_config(model.config, "model", "mxfp4", None, weights_dtype(tensors)),
-                                tmp_path / "m")  # fmt: skip
+    folder = write_model_folder(
+        tensors, release_config(model.config, "model", "mxfp4", None, weights_dtype(tensors)), tmp_path / "m"
+    )
     assert json.loads((folder / "config.json").read_text())["k3"]["expert_quantization"] == "mxfp4"
     packed = load_pretrained(folder, quantization="mxfp4").model
     dense = load_pretrained(folder).model  # experts decoded to fp32 at load: the same function again
@@ -193,8 +204,9 @@ def engine_logits(model: K3Model, prompts: list[list[int]]) -> tuple[list[torch.
     so they hit the cache the first one filled."""
     seen: list[torch.Tensor] = []
     hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
-    engine = LLMEngine(model, byte_tokenizer(), EngineConfig(num_pages=400, scheduler=SchedulerConfig(
-        max_batched_tokens=16)))  # fmt: skip
+    engine = LLMEngine(
+        model, byte_tokenizer(), EngineConfig(num_pages=400, scheduler=SchedulerConfig(max_batched_tokens=16))
+    )
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     tokens, cached = {}, 0
     for group in (prompts[:1], prompts[1:]):
@@ -233,7 +245,8 @@ def test_k3_train_qat_from_a_full_precision_checkpoint(tmp_path, capsys):
     meta = json.loads((tmp_path / "qat" / "step_00000003" / "meta.json").read_text())
     assert flags["qat"] == "mxfp4" and meta["config"]["k3"]["expert_quantization"] == "mxfp4"
     assert "expert_quantization" not in json.loads((tmp_path / "fp" / "step_00000003" / "meta.json").read_text())[
-        "config"].get("k3", {})  # fmt: skip
+        "config"
+    ].get("k3", {})
     capsys.readouterr()
     assert main([*args, "--out", str(tmp_path / "bad"), "--qat", "fp8"]) != 0
     assert "--qat must be mxfp4 (or absent: full precision), got 'fp8'" in capsys.readouterr().err

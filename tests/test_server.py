@@ -16,17 +16,32 @@ from k3.server.guard import ServerState
 from server_helpers import ScriptedEngine, ServerThread
 
 MODEL = "tiny-k3"
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                         "required": ["city"]}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 HISTORY = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = {
     "id": "call_0",
     "type": "function",
     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
 }
-REPLY = {"role": "assistant", "reasoning_content": "The user wants weather.", "content": "Let me check.",
-         "tool_calls": [CALL]}  # fmt: skip
+REPLY = {
+    "role": "assistant",
+    "reasoning_content": "The user wants weather.",
+    "content": "Let me check.",
+    "tool_calls": [CALL],
+}
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +119,11 @@ def test_completion_with_the_openai_client(served, scripted):
 
 def test_completion_stream_chunks_usage_and_done(served):
     c = client(served)
-    chunks = list(c.completions.create(model=MODEL, prompt="hi", max_tokens=5, stream=True,
-                                       stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        c.completions.create(
+            model=MODEL, prompt="hi", max_tokens=5, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == " worl"
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
@@ -120,8 +138,9 @@ def test_completion_stream_chunks_usage_and_done(served):
 def test_stream_text_with_line_separators_survives(served):
     chunks = client(served).completions.create(model=MODEL, prompt="odd", max_tokens=64, stream=True)
     assert "".join(ch.choices[0].text for ch in chunks) == ODD_TEXT
-    with httpx.stream("POST", served + "/v1/completions",
-                      json={"model": MODEL, "prompt": "odd", "max_tokens": 64, "stream": True}) as r:  # fmt: skip
+    with httpx.stream(
+        "POST", served + "/v1/completions", json={"model": MODEL, "prompt": "odd", "max_tokens": 64, "stream": True}
+    ) as r:
         lines = [line for line in r.iter_lines() if line]  # splits like str.splitlines
     assert "".join(json.loads(x[6:])["choices"][0]["text"] for x in lines[:-1]) == ODD_TEXT
 
@@ -135,8 +154,9 @@ def test_chat_reasoning_and_tool_calls(served):
     assert message.model_extra["reasoning_content"] == "The user wants weather."
     (call,) = message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
-    stream = c.chat.completions.create(model=MODEL, messages=HISTORY, tools=TOOLS, stream=True,
-                                       stream_options={"include_usage": True})  # fmt: skip
+    stream = c.chat.completions.create(
+        model=MODEL, messages=HISTORY, tools=TOOLS, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     assert deltas[0].role == "assistant"
@@ -192,12 +212,15 @@ def test_invalid_completion_parameters_are_400(served, body, param, needle):
 
 
 def test_invalid_chat_and_body_errors(served):
-    bad = [({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-           ({"messages": HISTORY, "top_logprobs": 2}, "top_logprobs"),
-           ({"messages": HISTORY, "logprobs": False, "top_logprobs": 0}, "top_logprobs"),
-           ({"messages": HISTORY, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-           ({"messages": HISTORY, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
-           ({"messages": HISTORY, "max_completion_tokens": 0}, "max_completion_tokens")]  # fmt: skip
+    bad = [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": HISTORY, "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": HISTORY, "logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+        ({"messages": HISTORY, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": HISTORY, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"messages": HISTORY, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ]
     for body, param in bad:
         r = post(served, "/v1/chat/completions", {"model": MODEL, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -245,8 +268,9 @@ def test_chat_prompt_longer_than_the_context_names_messages(scripted):
 
 
 def test_overload_is_429_with_retry_after(tokenizer, encoder, reply_ids):
-    engine = ScriptedEngine(tokenizer, tokenizer.vocab_size, script_for(tokenizer, encoder, reply_ids),
-                            delay_s=0.05, overload_after=1)  # fmt: skip
+    engine = ScriptedEngine(
+        tokenizer, tokenizer.vocab_size, script_for(tokenizer, encoder, reply_ids), delay_s=0.05, overload_after=1
+    )
     app = create_app(engine, MODEL, ServerLimits(max_model_len=1024))
     stream = {"model": MODEL, "prompt": "x", "stream": True}
     with ServerThread(app) as url, httpx.stream("POST", url + "/v1/completions", json=stream) as first:

@@ -33,9 +33,28 @@ def test_sigterm_drains_then_exits_0(ckpt):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "k3.cli", "serve", "--model", str(ckpt), "--port", str(port),
-                             "--num-pages", "300", "--drain-timeout", "20", "--served-model-name", "tiny"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "k3.cli",
+            "serve",
+            "--model",
+            str(ckpt),
+            "--port",
+            str(port),
+            "--num-pages",
+            "300",
+            "--drain-timeout",
+            "20",
+            "--served-model-name",
+            "tiny",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -46,8 +65,14 @@ def test_sigterm_drains_then_exits_0(ckpt):
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
             time.sleep(0.1)
-        body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 60, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "model": "tiny",
+            "prompt": "def f(x):",
+            "max_tokens": 60,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         events, first = [], threading.Event()
 
         def read() -> None:
@@ -101,8 +126,21 @@ class Served:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        command = [sys.executable, "-m", "k3.cli", "serve", "--model", str(ckpt), "--port", str(self.port),
-                   "--num-pages", "300", "--served-model-name", "tiny", *flags]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "k3.cli",
+            "serve",
+            "--model",
+            str(ckpt),
+            "--port",
+            str(self.port),
+            "--num-pages",
+            "300",
+            "--served-model-name",
+            "tiny",
+            *flags,
+        ]
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         deadline = time.monotonic() + 60
         while True:

@@ -78,8 +78,13 @@ def test_openai_client_against_the_engine(served):
     chunks = list(streamed)
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == first.choices[0].text
     assert chunks[-1].usage.completion_tokens == 8
-    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                     temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    chat = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     message = chat.choices[0].message  # an untrained model: whatever it writes comes back, as content or reasoning
     assert chat.usage.completion_tokens == 6 and chat.choices[0].finish_reason == "length"
     assert message.role == "assistant" and (message.content or message.model_extra.get("reasoning_content"))
@@ -122,8 +127,16 @@ def test_a_stop_string_in_chat_content_ends_the_engine_request_with_stop(served)
 
 
 async def _stream(client: httpx.AsyncClient, i: int) -> tuple[str, list]:
-    body = {"model": MODEL, "prompt": f"request {i}: ", "max_tokens": 4, "stream": True, "ignore_eos": True,
-            "temperature": 0.8, "seed": i, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": f"request {i}: ",
+        "max_tokens": 4,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "seed": i,
+        "stream_options": {"include_usage": True},
+    }
     async with client.stream("POST", "/v1/completions", json=body) as r:
         text = (await r.aread()).decode()
     events = [e[len("data: ") :] for e in text.split("\n\n") if e]

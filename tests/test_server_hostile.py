@@ -73,8 +73,9 @@ def served():
 def post(url: str, path: str, body, client=None) -> httpx.Response:
     """json.dumps writes NaN as the bare literal and lone surrogates as escapes, as a careless client would."""
     content = json.dumps(body)
-    return (client or httpx).post(url + path, content=content, headers={"content-type": "application/json"},
-                                  timeout=WAIT_S)  # fmt: skip
+    return (client or httpx).post(
+        url + path, content=content, headers={"content-type": "application/json"}, timeout=WAIT_S
+    )
 
 
 def sse_events(response: httpx.Response) -> list:
@@ -85,8 +86,13 @@ def test_values_the_schema_accepts_never_fail_the_step(served):
     """top_k 2**64, temperature 1e-40, top_p 5e-324 beside four plain streams: every request completes."""
     url, engine, _ = served
     plain = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 40, "ignore_eos": True, "stream": True}
-    edges = [{"top_k": 2**64}, {"temperature": 1e-40}, {"top_p": 5e-324}, {"top_p": 1e-300, "seed": 3},
-             {"temperature": 1e-300, "top_k": 2**70, "seed": 1}]  # fmt: skip
+    edges = [
+        {"top_k": 2**64},
+        {"temperature": 1e-40},
+        {"top_p": 5e-324},
+        {"top_p": 1e-300, "seed": 3},
+        {"temperature": 1e-300, "top_k": 2**70, "seed": 1},
+    ]
 
     async def stream(client, body):
         async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -156,8 +162,9 @@ def test_an_unexpected_error_is_one_generic_500_logged_once_and_the_connection_l
 
 def test_a_client_that_stops_reading_is_aborted_and_its_pages_freed(served):
     url, engine, _ = served
-    body = json.dumps({"model": MODEL, "prompt": "go", "max_tokens": 400, "n": 8, "ignore_eos": True,
-                       "stream": True}).encode()  # fmt: skip
+    body = json.dumps(
+        {"model": MODEL, "prompt": "go", "max_tokens": 400, "n": 8, "ignore_eos": True, "stream": True}
+    ).encode()
     host, port = url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills fast
@@ -306,17 +313,23 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     [
         ({"messages": [{"role": "user", "content": "lone \ud800"}]}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages"),
-        ({"tools": [{**TOOL, "function": {"name": "f", "parameters": {"x": float("nan")}}}]},
-         "tools.0.function.parameters.x"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"max": float("inf")}}}},
-         "response_format.json_schema.schema.max"),
-        ({"tools": [{**TOOL, "function": {"name": "f", "parameters": json.loads('{"a":' * 600 + "1" + "}" * 600)}}]},
-         "tools"),
+        (
+            {"tools": [{**TOOL, "function": {"name": "f", "parameters": {"x": float("nan")}}}]},
+            "tools.0.function.parameters.x",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"max": float("inf")}}}},
+            "response_format.json_schema.schema.max",
+        ),
+        (
+            {"tools": [{**TOOL, "function": {"name": "f", "parameters": json.loads('{"a":' * 600 + "1" + "}" * 600)}}]},
+            "tools",
+        ),
         ({"tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [TOOL]}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),  # no tools declared
         ({"reasoning_effort": "enormous"}, "reasoning_effort"),
     ],
-)  # fmt: skip
+)
 def test_chat_bodies_that_were_500s_are_400s(served, extra, param, caplog):
     url, _, _ = served
     with httpx.Client(timeout=WAIT_S) as client, caplog.at_level(logging.ERROR):

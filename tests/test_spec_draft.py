@@ -33,8 +33,9 @@ def test_block_summaries_are_the_blocks_the_final_readout_mixes():
         out = model(ids)
         blocks = capture.summaries((1, 2, 3))
     text = model.model
-    hidden = text.norm(attn_res([text.embed_tokens(ids), *blocks], text.output_attn_res_proj,
-                                text.output_attn_res_norm))  # fmt: skip
+    hidden = text.norm(
+        attn_res([text.embed_tokens(ids), *blocks], text.output_attn_res_proj, text.output_attn_res_norm)
+    )
     torch.testing.assert_close(model.lm_head(hidden), out.logits, rtol=0, atol=1e-12)
 
 
@@ -153,10 +154,29 @@ def test_train_draft_cli_and_llm_speculative_model(tmp_path):
     assert main(["init", "--preset", "tiny", "--out", str(ckpt)]) == 0
     corpus = tmp_path / "tokens.npy"
     np.save(corpus, np.random.default_rng(0).integers(0, 256, 4000).astype(np.int32))
-    assert main(["train-draft", "--ckpt", str(ckpt), "--out", str(out), "--data", str(corpus), "--val-data",
-                 str(corpus), "--steps", "2", "--train-sequences", "4"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train-draft",
+                "--ckpt",
+                str(ckpt),
+                "--out",
+                str(out),
+                "--data",
+                str(corpus),
+                "--val-data",
+                str(corpus),
+                "--steps",
+                "2",
+                "--train-sequences",
+                "4",
+            ]
+        )
+        == 0
+    )
     assert (out / "draft.safetensors").is_file() and "greedy_acceptance_at" in json.loads(
-        (out / "draft.json").read_text())["training"]  # fmt: skip
+        (out / "draft.json").read_text()
+    )["training"]
     params = SamplingParams(temperature=0, max_tokens=12)
     with LLM(str(ckpt), memory_budget=8 << 20) as plain:
         ref = plain.generate(["import os", "def f(x):"], params)

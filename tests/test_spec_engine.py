@@ -78,8 +78,14 @@ def test_greedy_tokens_equal_with_and_without_speculation(model, rollback):
     assert len({a for a in stats.accepted_at}) > 1
     # a real (untrained) draft in both modes, with max_tokens leaving less room than k at the end
     for mode in ("chain", "block"):
-        got, _ = run(model, PROMPTS, GREEDY, DraftModel(model.config, mode=mode).double(), spec_rollback=rollback,
-                     steps_between=2)  # fmt: skip
+        got, _ = run(
+            model,
+            PROMPTS,
+            GREEDY,
+            DraftModel(model.config, mode=mode).double(),
+            spec_rollback=rollback,
+            steps_between=2,
+        )
         assert got == ref
 
 
@@ -115,8 +121,9 @@ def test_rollback_is_bitwise_equal_to_never_seeing_the_rejected_tokens():
         if n == 7:  # nothing rejected: nothing to roll back
             assert torch.equal(kept, never_seen)
     # the states did move: a rollback to n differs from one to n + 1
-    assert not torch.allclose(_rolled_back(model, "snapshot", prompt, proposals, 2),
-                              _rolled_back(model, "snapshot", prompt, proposals, 3))  # fmt: skip
+    assert not torch.allclose(
+        _rolled_back(model, "snapshot", prompt, proposals, 2), _rolled_back(model, "snapshot", prompt, proposals, 3)
+    )
 
 
 def test_rejected_tokens_pages_are_released(model):
@@ -158,8 +165,9 @@ def test_speculation_only_at_small_batches_when_asked(model):
     """spec_max_batch = 1: proposals only while one request runs; the tokens are the same either way."""
     ref, _ = run(model, PROMPTS[:3], GREEDY)
     oracle = {tuple(p): r for p, r in zip(PROMPTS[:3], ref, strict=True)}
-    got, engine = run(model, PROMPTS[:3], GREEDY, DraftModel(model.config).double(), oracle, steps_between=2,
-                      spec_max_batch=1)  # fmt: skip
+    got, engine = run(
+        model, PROMPTS[:3], GREEDY, DraftModel(model.config).double(), oracle, steps_between=2, spec_max_batch=1
+    )
     assert got == ref
     everywhere = run(model, PROMPTS[:3], GREEDY, DraftModel(model.config).double(), oracle, steps_between=2)[1]
     assert 0 < engine.spec_stats.verify_steps < everywhere.spec_stats.verify_steps

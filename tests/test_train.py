@@ -16,8 +16,23 @@ from k3.cli import main
 from k3.formats.checkpoint import CheckpointError
 from k3.formats.run_record import RunMismatchError
 
-TRAIN = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "400", "--eval-every", "4",
-         "--eval-batches", "2", "--warmup", "2", "--no-progress"]  # fmt: skip
+TRAIN = [
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "32",
+    "--vocab-size",
+    "400",
+    "--eval-every",
+    "4",
+    "--eval-batches",
+    "2",
+    "--warmup",
+    "2",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +82,9 @@ def test_resume_refuses_a_different_config_and_a_fresh_run_refuses_old_checkpoin
     other = [a if a != "tiny" else "small" for a in TRAIN]
     assert main(["train", *other, "--steps", "4", "--data", str(corpus), "--out", str(run), "--resume"]) == 2
     assert "--preset: the run recorded 'tiny', now 'small'" in capsys.readouterr().err
-    assert main(["train", *other, "--steps", "4", "--data", str(corpus), "--out", str(run), "--resume",
-                 "--override"]) == 2  # fmt: skip
+    assert (
+        main(["train", *other, "--steps", "4", "--data", str(corpus), "--out", str(run), "--resume", "--override"]) == 2
+    )
     assert "trained with another configuration" in capsys.readouterr().err
     assert main(["train", *TRAIN, "--steps", "4", "--out", str(tmp_path / "none"), "--resume"]) == 2
     assert "no checkpoint to resume" in capsys.readouterr().err
@@ -86,16 +102,31 @@ def test_resume_keeps_the_config_its_run_recorded_when_k3s_defaults_changed(tmp_
     from k3.train.trainer import TrainArgs, Trainer
 
     def args(out: Path, **kw) -> TrainArgs:
-        return TrainArgs(out=str(out), preset="tiny", steps=3, ckpt_every=2, keep_last=5, batch_size=2, seq_len=16,
-                         vocab_size=300, eval_every=100, eval_batches=1, warmup=1, data=str(corpus), progress=False,
-                         **kw)  # fmt: skip
+        return TrainArgs(
+            out=str(out),
+            preset="tiny",
+            steps=3,
+            ckpt_every=2,
+            keep_last=5,
+            batch_size=2,
+            seq_len=16,
+            vocab_size=300,
+            eval_every=100,
+            eval_batches=1,
+            warmup=1,
+            data=str(corpus),
+            progress=False,
+            **kw,
+        )
 
     with monkeypatch.context() as old_k3:
         old_k3.setitem(PRESETS, "tiny", {**PRESETS["tiny"], "rms_norm_eps": 1e-6})
         unbroken = tmp_path / "unbroken"
         Trainer(args(unbroken), log=lambda *a: None).train()  # checkpoints at steps 2 and 3
-    assert json.loads((unbroken / "step_00000002" / "meta.json").read_text())["config"]["text_config"][
-        "rms_norm_eps"] == 1e-6  # fmt: skip
+    assert (
+        json.loads((unbroken / "step_00000002" / "meta.json").read_text())["config"]["text_config"]["rms_norm_eps"]
+        == 1e-6
+    )
     run = tmp_path / "run"
     shutil.copytree(unbroken, run)
     shutil.rmtree(run / "step_00000003")  # as if the old run had stopped after step 2
@@ -106,8 +137,9 @@ def test_resume_keeps_the_config_its_run_recorded_when_k3s_defaults_changed(tmp_
     assert any("rms_norm_eps: 1e-06 != 1e-05" in line and "recorded" in line for line in logged)
     trainer.train()
     assert losses(run)[3] == losses(unbroken)[3]  # bitwise
-    assert json.loads((run / "step_00000003" / "meta.json").read_text())["config"]["text_config"][
-        "rms_norm_eps"] == 1e-6  # fmt: skip
+    assert (
+        json.loads((run / "step_00000003" / "meta.json").read_text())["config"]["text_config"]["rms_norm_eps"] == 1e-6
+    )
 
     # the same preset with a replaced tokenizer cannot fit the recorded vocabulary
     tokenizer = (run / "tokenizer.json").read_bytes()
@@ -203,8 +235,12 @@ def test_resume_with_changed_flags_is_refused_and_override_makes_them_take_effec
     changed = ["--lr", "0.001", "--seed", "5", "--seq-len", "16", "--batch-size", "3"]
     assert main(["train", *base, "--steps", "4", "--resume", *changed]) == 2
     err = capsys.readouterr().err
-    for item in ("--lr: the run recorded 0.003, now 0.001", "--seed: the run recorded 0, now 5",
-                 "--seq-len: the run recorded 32, now 16", "--batch-size: the run recorded 2, now 3"):  # fmt: skip
+    for item in (
+        "--lr: the run recorded 0.003, now 0.001",
+        "--seed: the run recorded 0, now 5",
+        "--seq-len: the run recorded 32, now 16",
+        "--batch-size: the run recorded 2, now 3",
+    ):
         assert item in err, item
     assert err.count("\n") == 1  # one line
     assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2]
@@ -240,8 +276,9 @@ def test_a_killed_runs_leftovers_are_cleaned_and_a_torn_metrics_line_is_dropped(
 
     messages = []
     assert [r["step"] for r in read_metrics(run, log=messages.append)] == [1, 2]
-    assert messages == [f"{run / 'metrics.jsonl'}: dropped a torn last line (line 3, 15 bytes) left by an "
-                        f"interrupted write"]  # fmt: skip
+    assert messages == [
+        f"{run / 'metrics.jsonl'}: dropped a torn last line (line 3, 15 bytes) left by an interrupted write"
+    ]
     capsys.readouterr()
     assert main(["train", *base, "--steps", "3", "--resume"]) == 0
     out = capsys.readouterr().out

@@ -34,8 +34,10 @@ def test_directory_corpus_skips_files_that_are_not_utf8_and_says_how_many(tmp_pa
     train, val = load_corpus(tmp_path, log=messages.append)
     names = {d.name for d in train + val}
     assert len(names) == 200 and "latin1.txt" not in names and "blob.bin" not in names
-    assert messages == [f"--data {tmp_path}: skipped 2 not UTF-8 text (e.g. blob.bin, latin1.txt) and 1 empty "
-                        f"(e.g. empty.txt); using 200 files"]  # fmt: skip
+    assert messages == [
+        f"--data {tmp_path}: skipped 2 not UTF-8 text (e.g. blob.bin, latin1.txt) and 1 empty "
+        f"(e.g. empty.txt); using 200 files"
+    ]
     only_empty = tmp_path / "e.txt"
     only_empty.write_bytes(b"")
     with pytest.raises(CorpusError, match="the file is empty"):  # empty is not "not UTF-8"

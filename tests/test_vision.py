@@ -19,9 +19,17 @@ from k3.model.vision import (
 )
 
 TINY_VISION = VisionConfig(
-    vt_hidden_size=32, vt_num_hidden_layers=2, vt_num_attention_heads=2, qkv_hidden_size=32, vt_intermediate_size=64,
-    init_pos_emb_height=4, init_pos_emb_width=4, mm_hidden_size=32, text_hidden_size=64, media_placeholder_token_id=7,
-)  # fmt: skip
+    vt_hidden_size=32,
+    vt_num_hidden_layers=2,
+    vt_num_attention_heads=2,
+    qkv_hidden_size=32,
+    vt_intermediate_size=64,
+    init_pos_emb_height=4,
+    init_pos_emb_width=4,
+    mm_hidden_size=32,
+    text_hidden_size=64,
+    media_placeholder_token_id=7,
+)
 
 
 def tiny_vl() -> K3Config:
@@ -189,7 +197,11 @@ def test_the_tower_trains_through_the_language_model_loss():
     ids = _prompt(2)
     out = model(ids, labels=ids, image_embeds=model.encode_images(images((56, 28), dtype=torch.float32)))
     out.loss.backward()
-    for name in ("vision_tower.patch_embed.proj.weight", "vision_tower.patch_embed.pos_emb.weight",
-                 "vision_tower.encoder.blocks.0.wqkv.weight", "mm_projector.proj.0.weight"):  # fmt: skip
+    for name in (
+        "vision_tower.patch_embed.proj.weight",
+        "vision_tower.patch_embed.pos_emb.weight",
+        "vision_tower.encoder.blocks.0.wqkv.weight",
+        "mm_projector.proj.0.weight",
+    ):
         grad = dict(model.named_parameters())[name].grad
         assert grad is not None and grad.abs().sum() > 0, name

@@ -13,8 +13,20 @@ from k3.data.images import example
 @pytest.fixture(scope="module")
 def vl_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("vl") / "run"
-    argv = ["train", "--preset", "small-vl", "--steps", "2", "--batch-size", "2", "--eval-batches", "1",
-            "--out", str(out), "--no-progress"]  # fmt: skip
+    argv = [
+        "train",
+        "--preset",
+        "small-vl",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--eval-batches",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     return out
 
@@ -79,13 +91,36 @@ def test_flags_the_image_text_trainer_does_not_apply_are_refused(tmp_path, capsy
 def test_generate_answers_about_an_image(vl_run, tmp_path, capsys):
     path = tmp_path / "shapes.png"
     example("eval", 0).image.save(path)
-    code = main(["generate", "--model", str(vl_run), "--image", str(path), "--temperature", "0", "--max-tokens", "3",
-                 "How many shapes are there?"])  # fmt: skip
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(vl_run),
+            "--image",
+            str(path),
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "3",
+            "How many shapes are there?",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0 and captured.out.startswith("How many shapes are there?")
     # through the engine: streamed, two images, and the same greedy text as the non-streamed request
-    streamed = ["generate", "--model", str(vl_run), "--image", str(path), "--temperature", "0", "--max-tokens", "3",
-                "--stream", "How many shapes are there?"]  # fmt: skip
+    streamed = [
+        "generate",
+        "--model",
+        str(vl_run),
+        "--image",
+        str(path),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "3",
+        "--stream",
+        "How many shapes are there?",
+    ]
     assert main(streamed) == 0 and capsys.readouterr().out == captured.out
     two = ["generate", "--model", str(vl_run), "--image", str(path), "--image", str(path), "--max-tokens", "2", "hi"]
     assert main(two) == 0 and capsys.readouterr().out.startswith("hi")

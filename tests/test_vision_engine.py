@@ -23,10 +23,17 @@ def tok() -> K3Tokenizer:
 @pytest.fixture(scope="module")
 def model(tok):
     vision = VisionConfig(
-        vt_hidden_size=32, vt_num_hidden_layers=2, vt_num_attention_heads=2, qkv_hidden_size=32,
-        vt_intermediate_size=64, init_pos_emb_height=4, init_pos_emb_width=4, mm_hidden_size=32,
-        text_hidden_size=64, media_placeholder_token_id=media_token_ids(tok)[1],
-    )  # fmt: skip
+        vt_hidden_size=32,
+        vt_num_hidden_layers=2,
+        vt_num_attention_heads=2,
+        qkv_hidden_size=32,
+        vt_intermediate_size=64,
+        init_pos_emb_height=4,
+        init_pos_emb_width=4,
+        mm_hidden_size=32,
+        text_hidden_size=64,
+        media_placeholder_token_id=media_token_ids(tok)[1],
+    )
     return tiny_model(vocab_size=tok.vocab_size, vision_config=vision)
 
 
@@ -44,8 +51,13 @@ def reference(model, tok, pixels: torch.Tensor, n: int) -> list[int]:
     """Greedy tokens of the plain model with its own cache: no engine, no pages, no prefix cache."""
     begin, placeholder, end = media_token_ids(tok)
     embeds = model.encode_images([pixels])
-    ids = [*tok.encode("A long shared system prompt that fills a few pages of the cache. Look: "), begin,
-           *[placeholder] * embeds.shape[0], end, *tok.encode(" How many shapes are there?\n")]  # fmt: skip
+    ids = [
+        *tok.encode("A long shared system prompt that fills a few pages of the cache. Look: "),
+        begin,
+        *[placeholder] * embeds.shape[0],
+        end,
+        *tok.encode(" How many shapes are there?\n"),
+    ]
     out = generate(model, torch.tensor([ids]), n, temperature=0, image_embeds=embeds)
     return out[0, len(ids) :].tolist()
 

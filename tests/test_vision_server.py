@@ -36,10 +36,17 @@ def served():
     torch.set_num_threads(1)
     try:
         vision = VisionConfig(
-            vt_hidden_size=32, vt_num_hidden_layers=2, vt_num_attention_heads=2, qkv_hidden_size=32,
-            vt_intermediate_size=64, init_pos_emb_height=4, init_pos_emb_width=4, mm_hidden_size=32,
-            text_hidden_size=64, media_placeholder_token_id=media_token_ids(TOK)[1],
-        )  # fmt: skip
+            vt_hidden_size=32,
+            vt_num_hidden_layers=2,
+            vt_num_attention_heads=2,
+            qkv_hidden_size=32,
+            vt_intermediate_size=64,
+            init_pos_emb_height=4,
+            init_pos_emb_width=4,
+            mm_hidden_size=32,
+            text_hidden_size=64,
+            media_placeholder_token_id=media_token_ids(TOK)[1],
+        )
         model = tiny_model(vocab_size=TOK.vocab_size, vision_config=vision).float()
         engine = AsyncEngine(LLMEngine(model, TOK, EngineConfig(num_pages=2000)))
         engine.start()
@@ -52,8 +59,13 @@ def served():
 
 
 def chat(url: str, content, **extra) -> httpx.Response:
-    body = {"model": "tiny-vl", "messages": [{"role": "user", "content": content}], "max_tokens": 4,
-            "temperature": 0, **extra}  # fmt: skip
+    body = {
+        "model": "tiny-vl",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 4,
+        "temperature": 0,
+        **extra,
+    }
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
 
 
@@ -101,7 +113,10 @@ def test_image_limits_are_400s(served):
     small = {"type": "image_url", "image_url": {"url": data_url(Image.new("RGB", (28, 28)))}}
     r = chat(url, [small] * 9)
     assert r.status_code == 400 and "more than 8 images" in r.json()["error"]["message"]
-    body = {"model": "tiny-vl", "max_tokens": 2,
-            "messages": [{"role": "system", "content": [small]}, {"role": "user", "content": "hi"}]}  # fmt: skip
+    body = {
+        "model": "tiny-vl",
+        "max_tokens": 2,
+        "messages": [{"role": "system", "content": [small]}, {"role": "user", "content": "hi"}],
+    }
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and "images go in user messages" in r.json()["error"]["message"]

@@ -10,9 +10,28 @@ def tiny_train_args(tmp_path: Path) -> list[str]:
     corpus.mkdir(exist_ok=True)
     for i in range(40):
         (corpus / f"m{i}.py").write_text("".join(f"def f_{i}_{j}(x):\n    return x * {j}\n" for j in range(6)))
-    return ["train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "300",
-            "--steps", "3", "--warmup", "1", "--eval-every", "3", "--eval-batches", "1", "--no-progress",
-            "--data", str(corpus)]  # fmt: skip
+    return [
+        "train",
+        "--preset",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--vocab-size",
+        "300",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--eval-every",
+        "3",
+        "--eval-batches",
+        "1",
+        "--no-progress",
+        "--data",
+        str(corpus),
+    ]
 
 
 def logged_losses(run: Path) -> list[float]:

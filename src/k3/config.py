@@ -71,9 +71,18 @@ RELEASED_QUANTIZATION_CONFIG: dict[str, Any] = {
         "group_0": {
             "targets": ["Linear"],
             "weights": {
-                "num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
-                "block_structure": None, "dynamic": False, "actorder": None, "scale_dtype": "torch.uint8",
-                "zp_dtype": "torch.uint8", "observer": "minmax", "observer_kwargs": {},
+                "num_bits": 4,
+                "type": "float",
+                "symmetric": True,
+                "group_size": 32,
+                "strategy": "group",
+                "block_structure": None,
+                "dynamic": False,
+                "actorder": None,
+                "scale_dtype": "torch.uint8",
+                "zp_dtype": "torch.uint8",
+                "observer": "minmax",
+                "observer_kwargs": {},
             },
             "input_activations": None,
             "output_activations": None,
@@ -81,43 +90,69 @@ RELEASED_QUANTIZATION_CONFIG: dict[str, Any] = {
         }
     },
     "ignore": [
-        "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*\.mlp\.(gate|up|down)_proj$", "re:.*lm_head$",
-        "re:vision_tower.*", "re:mm_projector.*",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        r"re:.*\.mlp\.(gate|up|down)_proj$",
+        "re:.*lm_head$",
+        "re:vision_tower.*",
+        "re:mm_projector.*",
     ],
     "kv_cache_scheme": None,
-}  # fmt: skip
+}
 
 # text_config keys whose value selects a computation k3 implements one way only: the values k3 computes
 # the same as, and what k3 does. DeepSeek's spelling of a key is checked like the key.
 _ONE_WAY: dict[str, tuple[tuple[Any, ...], str]] = {
     "moe_router_activation_func": (("sigmoid",), "k3's router scores experts with a sigmoid"),
-    "topk_method": (("noaux_tc",), "k3 picks experts by score + e_score_correction_bias and weights them by "
-                    "the unbiased score"),
+    "topk_method": (
+        ("noaux_tc",),
+        "k3 picks experts by score + e_score_correction_bias and weights them by the unbiased score",
+    ),
     "num_nextn_predict_layers": ((0,), "k3 builds no multi-token-prediction layers"),
     "moe_layer_freq": ((1,), "every layer from first_k_dense_replace on is a MoE layer in k3"),
-}  # fmt: skip
+}
 _ALIASES = {"scoring_func": "moe_router_activation_func", "n_group": "num_expert_group"}
 # DeepSeek's spellings of K3Config fields: accepted when they agree with the field k3 reads.
 _FIELD_ALIASES = {
-    "n_routed_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
-    "n_shared_experts": "num_shared_experts", "norm_topk_prob": "moe_renormalize",
-}  # fmt: skip
+    "n_routed_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_token",
+    "n_shared_experts": "num_shared_experts",
+    "norm_topk_prob": "moe_renormalize",
+}
 
 
 # The released vision_config (MoonViT-V2): the keys VisionConfig has no field for, with their released values.
 # Those in _VISION_ONE_WAY select a computation k3 implements one way only and are checked; the others
 # (the video pooling `merge_type`, `init_pos_emb_time`, the attention kernel) change nothing an image computes.
 RELEASED_VISION: dict[str, Any] = {
-    "_attn_implementation": "flash_attention_2", "activation_func": "gelu_pytorch_tanh", "attn_bias": False,
-    "init_pos_emb_time": 4, "linear_bias": False, "merge_type": "sd2_tpool", "mlp_type": "mlp2",
-    "mm_projector_type": "patchmergerv2", "norm_type": "rmsnorm", "patch_embed_proj_bias": False,
-    "pos_emb_interpolation_mode": "bilinear", "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu",
-}  # fmt: skip
+    "_attn_implementation": "flash_attention_2",
+    "activation_func": "gelu_pytorch_tanh",
+    "attn_bias": False,
+    "init_pos_emb_time": 4,
+    "linear_bias": False,
+    "merge_type": "sd2_tpool",
+    "mlp_type": "mlp2",
+    "mm_projector_type": "patchmergerv2",
+    "norm_type": "rmsnorm",
+    "patch_embed_proj_bias": False,
+    "pos_emb_interpolation_mode": "bilinear",
+    "pos_emb_type": "divided_fixed",
+    "projector_hidden_act": "gelu",
+}
 _VISION_ONE_WAY = {
     key: RELEASED_VISION[key]
-    for key in ("activation_func", "attn_bias", "linear_bias", "mlp_type", "mm_projector_type", "norm_type",
-                "patch_embed_proj_bias", "pos_emb_interpolation_mode", "projector_hidden_act")
-}  # fmt: skip
+    for key in (
+        "activation_func",
+        "attn_bias",
+        "linear_bias",
+        "mlp_type",
+        "mm_projector_type",
+        "norm_type",
+        "patch_embed_proj_bias",
+        "pos_emb_interpolation_mode",
+        "projector_hidden_act",
+    )
+}
 _VISION_TOP = ("media_placeholder_token_id",)  # vision fields the release keeps at the top level
 
 
@@ -141,8 +176,9 @@ class VisionConfig:
     text_hidden_size: int = 7168  # the projector's output width: the language model's
     projector_ln_eps: float = 1e-5
     media_placeholder_token_id: int = 163605  # the token each image token replaces in the LM's input
-    extra_hf: dict[str, Any] = field(default_factory=lambda: {"vision": copy.deepcopy(RELEASED_VISION)},
-                                     repr=False, compare=False)  # fmt: skip
+    extra_hf: dict[str, Any] = field(
+        default_factory=lambda: {"vision": copy.deepcopy(RELEASED_VISION)}, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.merge_kernel_size = tuple(int(k) for k in self.merge_kernel_size)
@@ -157,16 +193,21 @@ class VisionConfig:
             heads = self.vt_num_attention_heads
             self._fail("qkv_hidden_size", f"must be a multiple of vt_num_attention_heads ({heads})")
         if self.head_dim % 4:
-            self._fail("qkv_hidden_size", f"gives a head dim of {self.head_dim}; 2-D rotary positions need a multiple "
-                                          "of 4 (half the pairs for rows, half for columns)")  # fmt: skip
+            self._fail(
+                "qkv_hidden_size",
+                f"gives a head dim of {self.head_dim}; 2-D rotary positions need a multiple "
+                "of 4 (half the pairs for rows, half for columns)",
+            )
         if self.mm_hidden_size != self.vt_hidden_size:
             self._fail("mm_hidden_size", f"must equal vt_hidden_size ({self.vt_hidden_size}): the projector reads it")
         if not self.projector_ln_eps > 0:
             self._fail("projector_ln_eps", "must be positive")
         for key, value in self.extra_hf.get("vision", {}).items():
             if key in _VISION_ONE_WAY and value != _VISION_ONE_WAY[key]:
-                raise ConfigError(f"config.json vision_config.{key} = {value!r}: k3's MoonViT-V2 implements "
-                                  f"{_VISION_ONE_WAY[key]!r} only")  # fmt: skip
+                raise ConfigError(
+                    f"config.json vision_config.{key} = {value!r}: k3's MoonViT-V2 implements "
+                    f"{_VISION_ONE_WAY[key]!r} only"
+                )
 
     def _fail(self, name: str, why: str) -> None:
         raise ConfigError(f"VisionConfig.{name} = {getattr(self, name)!r}: {why}")
@@ -216,8 +257,13 @@ class VisionConfig:
 
 def _released_extras() -> dict[str, Any]:
     """extra_hf of a config made in k3: the released layout around the fields."""
-    return {"nested": True, "top": copy.deepcopy(RELEASED_TOP), "text": copy.deepcopy(RELEASED_TEXT),
-            "linear_attn": {}, "quantization_in": "text"}  # fmt: skip
+    return {
+        "nested": True,
+        "top": copy.deepcopy(RELEASED_TOP),
+        "text": copy.deepcopy(RELEASED_TEXT),
+        "linear_attn": {},
+        "quantization_in": "text",
+    }
 
 
 def _ordered(d: dict[str, Any], order: list[str]) -> dict[str, Any]:
@@ -299,11 +345,24 @@ class K3Config:
 
     def _validate(self) -> None:
         positive = [
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-            "qk_nope_head_dim", "v_head_dim", "kda_num_heads", "kda_head_dim", "short_conv_kernel_size",
-            "intermediate_size", "num_experts", "num_experts_per_token", "routed_expert_hidden_size",
-            "moe_intermediate_size", "attn_res_block_size", "max_position_embeddings",
-        ]  # fmt: skip
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "kda_num_heads",
+            "kda_head_dim",
+            "short_conv_kernel_size",
+            "intermediate_size",
+            "num_experts",
+            "num_experts_per_token",
+            "routed_expert_hidden_size",
+            "moe_intermediate_size",
+            "attn_res_block_size",
+            "max_position_embeddings",
+        ]
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -330,13 +389,18 @@ class K3Config:
         if self.mla_impl not in ("naive", "absorbed", "auto"):
             self._fail("mla_impl", "must be 'naive' (per-head k, v), 'absorbed' (latent only) or 'auto'")
         if self.expert_quantization not in (None, "mxfp4"):
-            self._fail("expert_quantization", "must be None (full precision) or 'mxfp4' (MXFP4 expert weights, "
-                                              "MXFP8 expert inputs)")  # fmt: skip
+            self._fail(
+                "expert_quantization",
+                "must be None (full precision) or 'mxfp4' (MXFP4 expert weights, MXFP8 expert inputs)",
+            )
         widths = (self.routed_expert_hidden_size, self.moe_intermediate_size)
         if self.expert_quantization and any(w % 32 for w in widths):
-            self._fail("expert_quantization", f"quantises routed experts in MX blocks of 32 along their inputs, but "
-                                              f"their widths are {widths[0]} (latent) and {widths[1]} (hidden); both "
-                                              f"must be multiples of 32")  # fmt: skip
+            self._fail(
+                "expert_quantization",
+                f"quantises routed experts in MX blocks of 32 along their inputs, but "
+                f"their widths are {widths[0]} (latent) and {widths[1]} (hidden); both "
+                f"must be multiples of 32",
+            )
         if not self.mla_use_nope:
             self._fail("mla_use_nope", "must be True: K3 has no positional encoding and k3 implements no RoPE")
         L = self.num_hidden_layers
@@ -347,11 +411,15 @@ class K3Config:
         self._validate_released_keys((self.extra_hf or {}).get("text", {}))
         v = self.vision_config
         if v is not None and v.text_hidden_size != self.hidden_size:
-            raise ConfigError(f"VisionConfig.text_hidden_size = {v.text_hidden_size}: the projector writes into the "
-                              f"language model, whose hidden_size is {self.hidden_size}; make them equal")  # fmt: skip
+            raise ConfigError(
+                f"VisionConfig.text_hidden_size = {v.text_hidden_size}: the projector writes into the "
+                f"language model, whose hidden_size is {self.hidden_size}; make them equal"
+            )
         if v is not None and v.media_placeholder_token_id >= self.vocab_size:
-            raise ConfigError(f"VisionConfig.media_placeholder_token_id = {v.media_placeholder_token_id} is outside "
-                              f"the vocabulary of {self.vocab_size} tokens")  # fmt: skip
+            raise ConfigError(
+                f"VisionConfig.media_placeholder_token_id = {v.media_placeholder_token_id} is outside "
+                f"the vocabulary of {self.vocab_size} tokens"
+            )
 
     def _validate_released_keys(self, text: dict[str, Any]) -> None:
         """text_config keys K3Config has no field for, whose value would make the released model compute
@@ -366,19 +434,28 @@ class K3Config:
                 supported, what = _ONE_WAY[name]
                 fail(key, f"{what}; supported: {' or '.join(map(repr, supported))}")
             if key in _FIELD_ALIASES and value != getattr(self, _FIELD_ALIASES[key]):
-                fail(key, f"k3 reads {_FIELD_ALIASES[key]} (= {getattr(self, _FIELD_ALIASES[key])!r}); "
-                          "set that key instead, or the two to the same value")  # fmt: skip
+                fail(
+                    key,
+                    f"k3 reads {_FIELD_ALIASES[key]} (= {getattr(self, _FIELD_ALIASES[key])!r}); "
+                    "set that key instead, or the two to the same value",
+                )
         group_key = "n_group" if "n_group" in text else "num_expert_group"
         groups, chosen = text.get(group_key, 1), text.get("topk_group", 1)
         if text.get("use_grouped_topk", True) is not False and chosen < groups:
             # experts chosen only within the best topk_group of the groups; when every group is kept it is
             # plain top-k, which is what k3 computes
-            fail(group_key, f"grouped top-k keeping topk_group = {chosen} of {groups} expert groups is not "
-                            "implemented in k3; supported: topk_group = num_expert_group (1 in the release: plain "
-                            "top-k), or use_grouped_topk = false")  # fmt: skip
+            fail(
+                group_key,
+                f"grouped top-k keeping topk_group = {chosen} of {groups} expert groups is not "
+                "implemented in k3; supported: topk_group = num_expert_group (1 in the release: plain "
+                "top-k), or use_grouped_topk = false",
+            )
         if "num_key_value_heads" in text and text["num_key_value_heads"] != self.num_attention_heads:
-            fail("num_key_value_heads", f"K3's MLA has one key and value per query head; supported: "
-                                        f"num_attention_heads = {self.num_attention_heads}")  # fmt: skip
+            fail(
+                "num_key_value_heads",
+                f"K3's MLA has one key and value per query head; supported: "
+                f"num_attention_heads = {self.num_attention_heads}",
+            )
 
     # ---- the layer pattern, derived in one place -------------------------------------------
     @property
@@ -451,8 +528,11 @@ class K3Config:
         text = top["text_config"] if nested else top
         if not isinstance(text, dict) or not isinstance(text.get("linear_attn_config") or {}, dict):
             raise TypeError("text_config and its linear_attn_config must be JSON objects")  # see from_hf
-        order = {"top": list(top) if nested else [], "text": list(text),
-                 "linear_attn": list(text.get("linear_attn_config") or {})}  # fmt: skip
+        order = {
+            "top": list(top) if nested else [],
+            "text": list(text),
+            "linear_attn": list(text.get("linear_attn_config") or {}),
+        }
         if nested:
             del top["text_config"]
         lin = text.pop("linear_attn_config", None) or {}
@@ -476,8 +556,14 @@ class K3Config:
                 raise ConfigError("quantization_config is both at the top level and in text_config: keep one")
             kwargs["quantization_config"] = top.pop("quantization_config")
             quantization_in = "top"
-        kwargs["extra_hf"] = {"nested": nested, "top": top if nested else {}, "text": text, "linear_attn": lin,
-                              "quantization_in": quantization_in, "order": order}  # fmt: skip
+        kwargs["extra_hf"] = {
+            "nested": nested,
+            "top": top if nested else {},
+            "text": text,
+            "linear_attn": lin,
+            "quantization_in": quantization_in,
+            "order": order,
+        }
         config = cls(**kwargs)
         if kda_layers is not None:
             expected = [i + 1 for i, t in enumerate(config.layer_types) if t == "kda"]
@@ -524,8 +610,11 @@ class K3Config:
         if self.quantization_config is not None or had(quant_section, "quantization_config"):
             (top if quant_section == "top" else text)["quantization_config"] = self.quantization_config
         # a switch that defaults to None is written only when set, so older k3 sections read back unchanged
-        k3_own = {name: getattr(self, name) for name in _K3_ONLY
-                  if _DEFAULTS[name] is not None or getattr(self, name) is not None}  # fmt: skip
+        k3_own = {
+            name: getattr(self, name)
+            for name in _K3_ONLY
+            if _DEFAULTS[name] is not None or getattr(self, name) is not None
+        }
         if any(getattr(self, name) != _DEFAULTS[name] for name in _K3_ONLY) or had(home, "k3"):
             top["k3"] = k3_own
         text = _ordered(text, order["text"] if order else [])
@@ -554,8 +643,13 @@ class K3Config:
 
 # Fields read from and written to text_config; the linear_attn_config ones, the derived layer lists and
 # k3's own switches have their own places.
-_TEXT_FIELDS = {f.name for f in fields(K3Config)} - {"extra_hf", "full_attn_layers", "vision_config",
-                                                      *_LINEAR_ATTN_KEYS.values(), *_K3_ONLY}  # fmt: skip
+_TEXT_FIELDS = {f.name for f in fields(K3Config)} - {
+    "extra_hf",
+    "full_attn_layers",
+    "vision_config",
+    *_LINEAR_ATTN_KEYS.values(),
+    *_K3_ONLY,
+}
 _DEFAULTS = {f.name: f.default for f in fields(K3Config) if f.default is not MISSING}
 _FIELD_ORDER = [f.name for f in fields(K3Config)]
 _VISION_DEFAULTS = {f.name: f.default for f in fields(VisionConfig) if f.default is not MISSING}
@@ -566,33 +660,82 @@ PRESETS: dict[str, dict[str, Any]] = {
     "k3": {"quantization_config": RELEASED_QUANTIZATION_CONFIG, "vision_config": VisionConfig()},
     # Tens of millions of parameters with K3's structure, for training on a laptop CPU.
     "small": dict(
-        vocab_size=8192, hidden_size=256, num_hidden_layers=9, num_attention_heads=4, q_lora_rank=128,
-        kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kda_num_heads=4,
-        kda_head_dim=64, intermediate_size=768, num_experts=16, num_experts_per_token=2, num_shared_experts=1,
-        routed_expert_hidden_size=128, moe_intermediate_size=256, attn_res_block_size=3,
+        vocab_size=8192,
+        hidden_size=256,
+        num_hidden_layers=9,
+        num_attention_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        kda_num_heads=4,
+        kda_head_dim=64,
+        intermediate_size=768,
+        num_experts=16,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        routed_expert_hidden_size=128,
+        moe_intermediate_size=256,
+        attn_res_block_size=3,
         max_position_embeddings=65536,
     ),
     # For tests: forward in milliseconds.
     "tiny": dict(
-        vocab_size=512, hidden_size=64, num_hidden_layers=5, num_attention_heads=2, q_lora_rank=32,
-        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kda_num_heads=2,
-        kda_head_dim=16, intermediate_size=128, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
-        routed_expert_hidden_size=32, moe_intermediate_size=32, attn_res_block_size=2,
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        kda_num_heads=2,
+        kda_head_dim=16,
+        intermediate_size=128,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        routed_expert_hidden_size=32,
+        moe_intermediate_size=32,
+        attn_res_block_size=2,
         max_position_embeddings=4096,
     ),
     # A few million parameters with a MoonViT-V2 tower, trained from scratch on generated images in minutes on
     # a CPU (`k3 train --preset small-vl`, docs/vision.md). The trainer sets the vocabulary and the placeholder
     # token's id from the tokenizer it builds.
     "small-vl": dict(
-        vocab_size=512, hidden_size=192, num_hidden_layers=5, num_attention_heads=4, q_lora_rank=96,
-        kv_lora_rank=48, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, kda_num_heads=4,
-        kda_head_dim=48, intermediate_size=512, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
-        routed_expert_hidden_size=96, moe_intermediate_size=192, attn_res_block_size=2,
+        vocab_size=512,
+        hidden_size=192,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        q_lora_rank=96,
+        kv_lora_rank=48,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        kda_num_heads=4,
+        kda_head_dim=48,
+        intermediate_size=512,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        routed_expert_hidden_size=96,
+        moe_intermediate_size=192,
+        attn_res_block_size=2,
         max_position_embeddings=4096,
         vision_config=VisionConfig(
-            vt_hidden_size=128, vt_num_hidden_layers=4, vt_num_attention_heads=4, qkv_hidden_size=128,
-            vt_intermediate_size=384, init_pos_emb_height=16, init_pos_emb_width=16, mm_hidden_size=128,
-            text_hidden_size=192, media_placeholder_token_id=0,
+            vt_hidden_size=128,
+            vt_num_hidden_layers=4,
+            vt_num_attention_heads=4,
+            qkv_hidden_size=128,
+            vt_intermediate_size=384,
+            init_pos_emb_height=16,
+            init_pos_emb_width=16,
+            mm_hidden_size=128,
+            text_hidden_size=192,
+            media_placeholder_token_id=0,
         ),
     ),
-}  # fmt: skip
+}

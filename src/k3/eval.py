@@ -123,13 +123,26 @@ class Perplexity:
         return math.exp(self.nats_per_token)
 
     def as_dict(self) -> dict:
-        return {"perplexity": self.perplexity, "nats_per_token": self.nats_per_token, "tokens": self.tokens,
-                "files": self.files, "skipped_not_utf8": self.not_utf8, "skipped_empty": self.empty,
-                "seq_len": self.seq_len, "model": str(self.model)}  # fmt: skip
+        return {
+            "perplexity": self.perplexity,
+            "nats_per_token": self.nats_per_token,
+            "tokens": self.tokens,
+            "files": self.files,
+            "skipped_not_utf8": self.not_utf8,
+            "skipped_empty": self.empty,
+            "seq_len": self.seq_len,
+            "model": str(self.model),
+        }
 
 
-def evaluate(model: str | Path, data: str | Path, seq_len: int | None = None, batch_size: int = 8,
-             device: str = "cpu", text_only: bool = False) -> Perplexity:  # fmt: skip
+def evaluate(
+    model: str | Path,
+    data: str | Path,
+    seq_len: int | None = None,
+    batch_size: int = 8,
+    device: str = "cpu",
+    text_only: bool = False,
+) -> Perplexity:
     """Perplexity of a model folder, run folder or step folder (read through k3.hub) on the text at `data`.
 
     seq_len: tokens predicted per window (default min(512, max_position_embeddings - 1)).
@@ -146,8 +159,10 @@ def evaluate(model: str | Path, data: str | Path, seq_len: int | None = None, ba
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, limit - 1)
     if not 1 <= seq_len <= limit - 1:
-        raise ValueError(f"--seq-len {seq_len}: a window reads seq_len + 1 tokens, so 1 .. {limit - 1} for this "
-                         f"model (max_position_embeddings {limit:,})")  # fmt: skip
+        raise ValueError(
+            f"--seq-len {seq_len}: a window reads seq_len + 1 tokens, so 1 .. {limit - 1} for this "
+            f"model (max_position_embeddings {limit:,})"
+        )
     ids = token_stream(found.texts, load_tokenizer(pretrained))
     nll, count = score_tokens(pretrained.model, ids, seq_len, batch_size)
     return Perplexity(nll, count, len(found.texts), len(found.not_utf8), len(found.empty), seq_len, pretrained.path)

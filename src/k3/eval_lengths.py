@@ -62,8 +62,15 @@ def chunked_logits(model, ids_BT: torch.Tensor, positions: list[int], chunk_toke
     return torch.cat(out, dim=1)
 
 
-def task_accuracy(model, tokenizer, task: str, length: int, examples: int, batch_size: int = 4,
-                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> LengthResult:  # fmt: skip
+def task_accuracy(
+    model,
+    tokenizer,
+    task: str,
+    length: int,
+    examples: int,
+    batch_size: int = 4,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> LengthResult:
     """The fraction of the held-out examples 0 .. examples-1 of `task` at `length` the model solves."""
     t0 = time.perf_counter()
     device = next(model.parameters()).device
@@ -82,12 +89,15 @@ def task_accuracy(model, tokenizer, task: str, length: int, examples: int, batch
     return LengthResult(task, length, len(exs), solved / len(exs), None, None, time.perf_counter() - t0)
 
 
-def lm_loss(model, tokens: np.ndarray, length: int, windows: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-            batch_size: int = 1) -> LengthResult:  # fmt: skip
+def lm_loss(
+    model, tokens: np.ndarray, length: int, windows: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, batch_size: int = 1
+) -> LengthResult:
     """Nats per token over `windows` windows of length + 1 tokens spread evenly over the token stream."""
     if len(tokens) < length + 1:
-        raise ValueError(f"--task lm at length {length:,}: the text has only {len(tokens):,} tokens; give more "
-                         f"text (--data) or shorter --lengths")  # fmt: skip
+        raise ValueError(
+            f"--task lm at length {length:,}: the text has only {len(tokens):,} tokens; give more "
+            f"text (--data) or shorter --lengths"
+        )
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     count = max(1, min(windows, len(tokens) // (length + 1)))
@@ -95,15 +105,23 @@ def lm_loss(model, tokens: np.ndarray, length: int, windows: int, chunk_tokens: 
     late = length - length // 4
     nll = late_nll = 0.0
     for i in range(0, count, batch_size):
-        ids = torch.tensor(np.stack([tokens[s : s + length + 1] for s in starts[i : i + batch_size]]),
-                           dtype=torch.long, device=device)  # fmt: skip
+        ids = torch.tensor(
+            np.stack([tokens[s : s + length + 1] for s in starts[i : i + batch_size]]), dtype=torch.long, device=device
+        )
         logits = chunked_logits(model, ids, list(range(length)), chunk_tokens)
         per_token = F.cross_entropy(logits.flatten(0, 1).double(), ids[:, 1:].flatten(), reduction="none")
         per_token = per_token.view(ids.shape[0], length)
         nll += per_token.sum().item()
         late_nll += per_token[:, late:].sum().item()
-    return LengthResult("lm", length, count, None, nll / (count * length), late_nll / (count * (length - late)),
-                        time.perf_counter() - t0)  # fmt: skip
+    return LengthResult(
+        "lm",
+        length,
+        count,
+        None,
+        nll / (count * length),
+        late_nll / (count * (length - late)),
+        time.perf_counter() - t0,
+    )
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -129,23 +147,36 @@ def lm_tokens(data: str | Path | None, pretrained, tokenizer) -> np.ndarray:
     raise ValueError(f"--task lm needs --data: {pretrained.path} is not in a run folder with val_tokens.npy")
 
 
-def evaluate_lengths(model: str | Path, task: str, lengths: list[int], examples: int = 20, batch_size: int = 4,
-                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, data: str | Path | None = None,
-                     device: str = "cpu", text_only: bool = False, log=None) -> list[LengthResult]:  # fmt: skip
+def evaluate_lengths(
+    model: str | Path,
+    task: str,
+    lengths: list[int],
+    examples: int = 20,
+    batch_size: int = 4,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    data: str | Path | None = None,
+    device: str = "cpu",
+    text_only: bool = False,
+    log=None,
+) -> list[LengthResult]:
     """`task` at each of `lengths` for a model, run or step folder; `log(result)` after each length."""
     from k3.hub import load_pretrained, load_tokenizer
 
     if task not in EVAL_TASKS:
         raise ValueError(f"--task {task!r}: choose one of {', '.join(EVAL_TASKS)}")
     if examples < 1 or batch_size < 1 or chunk_tokens < 1:
-        raise ValueError(f"--examples, --batch-size and --chunk-tokens must be at least 1, got {examples}, "
-                         f"{batch_size} and {chunk_tokens}")  # fmt: skip
+        raise ValueError(
+            f"--examples, --batch-size and --chunk-tokens must be at least 1, got {examples}, "
+            f"{batch_size} and {chunk_tokens}"
+        )
     pretrained = load_pretrained(model, device=device, text_only=text_only)
     limit = pretrained.config.max_position_embeddings
     too_long = [n for n in lengths if n + (task == "lm") > limit]
     if too_long:
-        raise ValueError(f"--lengths {','.join(map(str, too_long))}: longer than this model's context of "
-                         f"{limit:,} tokens (max_position_embeddings)")  # fmt: skip
+        raise ValueError(
+            f"--lengths {','.join(map(str, too_long))}: longer than this model's context of "
+            f"{limit:,} tokens (max_position_embeddings)"
+        )
     tokenizer = load_tokenizer(pretrained)
     stream = lm_tokens(data, pretrained, tokenizer) if task == "lm" else None
     results = []
@@ -165,6 +196,8 @@ def describe(result: LengthResult) -> str:
     if result.accuracy is not None:
         score = f"accuracy {result.accuracy:6.1%}"
     else:
-        score = (f"{result.nats_per_token:.4f} nats/token (last quarter {result.late_nats_per_token:.4f}, "
-                 f"perplexity {math.exp(result.nats_per_token):.2f})")  # fmt: skip
+        score = (
+            f"{result.nats_per_token:.4f} nats/token (last quarter {result.late_nats_per_token:.4f}, "
+            f"perplexity {math.exp(result.nats_per_token):.2f})"
+        )
     return f"{result.task:9s} {result.length:>8,} tokens  {score}  n={result.examples}  {result.seconds:.1f} s"

@@ -41,11 +41,17 @@ def _interrupted(command: str, run, rerun) -> int:
     step = 0 if run is None else run.step
     saved = None if run is None else run.folder.newest_saved()
     if saved is None:
-        print(f"\nk3 {command}: interrupted at step {step}, before the first checkpoint; start again with: "
-              f"{rerun(False)}", file=sys.stderr)  # fmt: skip
+        print(
+            f"\nk3 {command}: interrupted at step {step}, before the first checkpoint; start again with: "
+            f"{rerun(False)}",
+            file=sys.stderr,
+        )
     else:
-        print(f"\nk3 {command}: interrupted at step {step}; resume with: {rerun(True)} "
-              f"(continues from step {saved}, the last checkpoint)", file=sys.stderr)  # fmt: skip
+        print(
+            f"\nk3 {command}: interrupted at step {step}; resume with: {rerun(True)} "
+            f"(continues from step {saved}, the last checkpoint)",
+            file=sys.stderr,
+        )
     return EXIT_INTERRUPTED
 
 

@@ -26,8 +26,11 @@ def cmd_distill(args: argparse.Namespace) -> int:
         distill_args = DistillArgs.from_flags(args)
         distiller = Distiller(distill_args)
         n = sum(p.numel() for p in distiller.model.parameters())
-        print(f"k3 distill: student {args.student} ({n / 1e6:.1f}M parameters), {len(distiller.teachers)} teachers, "
-              f"mixture {distiller.mixture}, writing to {args.out}/", file=sys.stderr)  # fmt: skip
+        print(
+            f"k3 distill: student {args.student} ({n / 1e6:.1f}M parameters), {len(distiller.teachers)} teachers, "
+            f"mixture {distiller.mixture}, writing to {args.out}/",
+            file=sys.stderr,
+        )
         summary = distiller.train()
     except KeyboardInterrupt:
 

@@ -46,12 +46,26 @@ def _generate(args: argparse.Namespace, mid_line: list[bool]) -> int:
         device = _device(args.device)
         _check_context(args.ckpt, prompt, args.max_tokens, args.max_model_len)  # before the weights are read
         # one request per completion; a seed s gives completion i the seed s + i, so they differ yet repeat
-        params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                 max_tokens=args.max_tokens, stop=tuple(args.stop or ()),
-                                 seed=None if args.seed is None else args.seed + i) for i in range(args.n)]  # fmt: skip
+        params = [
+            SamplingParams(
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                max_tokens=args.max_tokens,
+                stop=tuple(args.stop or ()),
+                seed=None if args.seed is None else args.seed + i,
+            )
+            for i in range(args.n)
+        ]
         budget = None if args.memory_budget is None else int(args.memory_budget * (1 << 20))
-        llm = LLM(args.ckpt, memory_budget=budget, num_pages=args.num_pages, text_only=args.text_only,
-                  quantization=args.quantization, device=device)  # fmt: skip
+        llm = LLM(
+            args.ckpt,
+            memory_budget=budget,
+            num_pages=args.num_pages,
+            text_only=args.text_only,
+            quantization=args.quantization,
+            device=device,
+        )
         request = image_prompt(llm, pictures, prompt) if pictures else prompt  # token ids with the images
         if args.verbose:
             print(llm.engine.describe(), file=sys.stderr)
@@ -147,8 +161,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.data is None:
             raise ValueError("--data is needed for perplexity (or pass --task to score by context length)")
         device = _device(args.device)
-        result = evaluate(args.model, args.data, seq_len=args.seq_len, batch_size=args.batch_size, device=device,
-                          text_only=args.text_only)  # fmt: skip
+        result = evaluate(
+            args.model,
+            args.data,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            device=device,
+            text_only=args.text_only,
+        )
     except KeyboardInterrupt:
         print("k3 eval: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -158,10 +178,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(result.as_dict()))
         return 0
     skipped = [f"{n} {what}" for n, what in ((result.not_utf8, "not UTF-8 text"), (result.empty, "empty")) if n]
-    print(f"perplexity {result.perplexity:.3f} ({result.nats_per_token:.4f} nats/token) over {result.tokens:,} "
-          f"tokens of {result.files:,} file{'s' if result.files != 1 else ''}"
-          + (f" (skipped: {', '.join(skipped)})" if skipped else "")
-          + f"; windows of {result.seq_len} tokens; model {result.model}")  # fmt: skip
+    print(
+        f"perplexity {result.perplexity:.3f} ({result.nats_per_token:.4f} nats/token) over {result.tokens:,} "
+        f"tokens of {result.files:,} file{'s' if result.files != 1 else ''}"
+        + (f" (skipped: {', '.join(skipped)})" if skipped else "")
+        + f"; windows of {result.seq_len} tokens; model {result.model}"
+    )
     return 0
 
 
@@ -173,10 +195,18 @@ def _eval_lengths(args: argparse.Namespace) -> int:
         print(describe(result), flush=True)
 
     try:
-        results = evaluate_lengths(args.model, args.task, parse_lengths(args.lengths), examples=args.examples,
-                                   batch_size=args.batch_size, chunk_tokens=args.chunk_tokens, data=args.data,
-                                   device=_device(args.device), text_only=args.text_only,
-                                   log=None if args.json else show)  # fmt: skip
+        results = evaluate_lengths(
+            args.model,
+            args.task,
+            parse_lengths(args.lengths),
+            examples=args.examples,
+            batch_size=args.batch_size,
+            chunk_tokens=args.chunk_tokens,
+            data=args.data,
+            device=_device(args.device),
+            text_only=args.text_only,
+            log=None if args.json else show,
+        )
     except KeyboardInterrupt:
         print("k3 eval: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

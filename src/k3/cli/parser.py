@@ -33,20 +33,29 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     params.add_argument("--ep", type=int, help="also the training memory per rank at this expert parallelism")
     params.add_argument("--dp", type=int, help="with --ep: FSDP ranks (a multiple of --ep; default: --ep)")
-    params.add_argument("--micro-batch-tokens", type=int, default=8192,
-                        help="with --ep: tokens per rank per micro-batch (default: %(default)s)")  # fmt: skip
+    params.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=8192,
+        help="with --ep: tokens per rank per micro-batch (default: %(default)s)",
+    )
     params.set_defaults(func=cmd_params)
 
     train = sub.add_parser("train", help="train a K3 model (default: the small preset on the stdlib source)")
     _add_train_flags(train)
-    train.add_argument("--nproc", type=int, default=1,
-                       help="processes on this machine (runs torchrun; default: %(default)s)")  # fmt: skip
+    train.add_argument(
+        "--nproc", type=int, default=1, help="processes on this machine (runs torchrun; default: %(default)s)"
+    )
     train.set_defaults(func=cmd_train)
 
     quick = sub.add_parser("quickstart", help="train a small K3 for a few minutes, sample from it, plot the run")
     _add_train_flags(quick, **QUICKSTART_DEFAULTS)
-    quick.add_argument("--sample-tokens", type=int, default=120,
-                       help="tokens sampled, and generated per served request (default: %(default)s)")  # fmt: skip
+    quick.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=120,
+        help="tokens sampled, and generated per served request (default: %(default)s)",
+    )
     quick.set_defaults(func=cmd_quickstart)
 
     init = sub.add_parser("init", help="write a randomly initialised checkpoint with a byte-level tokenizer")
@@ -57,9 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="continue a prompt with a checkpoint")
     gen.add_argument("prompt", help='the text to continue; "-" reads it from stdin')
-    gen.add_argument("--ckpt", "--model", dest="ckpt", required=True,
-                     help="a model folder (config.json + safetensors), a run folder (its newest checkpoint) or a "
-                          "step_* folder")  # fmt: skip
+    gen.add_argument(
+        "--ckpt",
+        "--model",
+        dest="ckpt",
+        required=True,
+        help="a model folder (config.json + safetensors), a run folder (its newest checkpoint) or a step_* folder",
+    )
     gen.add_argument(
         "--text-only",
         action="store_true",
@@ -76,17 +89,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
     gen.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, 1 is off (default 0.95)")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens; 0 is off (default 0)")
-    gen.add_argument("--stop", action="append", metavar="TEXT",
-                     help="end the output before this text, which is not printed (repeatable)")  # fmt: skip
+    gen.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="end the output before this text, which is not printed (repeatable)",
+    )
     gen.add_argument("-n", type=int, default=1, help="completions of the prompt, batched (default 1)")
-    gen.add_argument("--seed", type=int, default=None,
-                     help="repeatable sampling; completion i uses seed + i (default: unseeded)")  # fmt: skip
+    gen.add_argument(
+        "--seed", type=int, default=None, help="repeatable sampling; completion i uses seed + i (default: unseeded)"
+    )
     gen.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    gen.add_argument("--max-model-len", type=int, default=None,
-                     help="the context in tokens, prompt + output (default: max_position_embeddings)")  # fmt: skip
+    gen.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the context in tokens, prompt + output (default: max_position_embeddings)",
+    )
     gen.add_argument("--stream", action="store_true", help="print the text as it is generated")
-    gen.add_argument("--image", action="append", metavar="FILE",
-                     help="an image before the prompt, for a vision model (repeatable; docs/vision.md)")  # fmt: skip
+    gen.add_argument(
+        "--image",
+        action="append",
+        metavar="FILE",
+        help="an image before the prompt, for a vision model (repeatable; docs/vision.md)",
+    )
     gen.add_argument("--verbose", action="store_true", help="print the page pool's layout and capacity to stderr")
     size = gen.add_mutually_exclusive_group()
     size.add_argument("--memory-budget", type=float, default=None, help="MiB for the engine's page pool (256)")
@@ -95,24 +121,44 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluation = sub.add_parser("eval", help="perplexity of a model on your text, or accuracy/loss by context length")
     evaluation.add_argument("--model", required=True, help="a model folder, a run folder or a step_* folder")
-    evaluation.add_argument("--data", default=None,
-                            help="a UTF-8 text file, or a folder: every UTF-8 text file below it (needed for "
-                                 "perplexity; for --task lm the run's validation tokens by default)")  # fmt: skip
-    evaluation.add_argument("--task", default=None, choices=("retrieval", "multihop", "count", "lm"),
-                            help="score by context length instead: a synthetic long-range task (held-out "
-                                 "examples) or lm (nats/token of --data at each length)")  # fmt: skip
-    evaluation.add_argument("--lengths", default="512,2048,8192",
-                            help="with --task: comma-separated context lengths (default 512,2048,8192)")  # fmt: skip
-    evaluation.add_argument("--examples", type=int, default=20,
-                            help="with --task: examples (lm: windows) per length (default 20)")  # fmt: skip
-    evaluation.add_argument("--chunk-tokens", type=int, default=1024,
-                            help="with --task: tokens per forward through the cache (default 1024)")  # fmt: skip
-    evaluation.add_argument("--seq-len", type=int, default=None,
-                            help="tokens predicted per window (default 512, less for a shorter context)")  # fmt: skip
+    evaluation.add_argument(
+        "--data",
+        default=None,
+        help="a UTF-8 text file, or a folder: every UTF-8 text file below it (needed for "
+        "perplexity; for --task lm the run's validation tokens by default)",
+    )
+    evaluation.add_argument(
+        "--task",
+        default=None,
+        choices=("retrieval", "multihop", "count", "lm"),
+        help="score by context length instead: a synthetic long-range task (held-out "
+        "examples) or lm (nats/token of --data at each length)",
+    )
+    evaluation.add_argument(
+        "--lengths",
+        default="512,2048,8192",
+        help="with --task: comma-separated context lengths (default 512,2048,8192)",
+    )
+    evaluation.add_argument(
+        "--examples", type=int, default=20, help="with --task: examples (lm: windows) per length (default 20)"
+    )
+    evaluation.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=1024,
+        help="with --task: tokens per forward through the cache (default 1024)",
+    )
+    evaluation.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens predicted per window (default 512, less for a shorter context)",
+    )
     evaluation.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
     evaluation.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    evaluation.add_argument("--text-only", action="store_true",
-                            help="a multimodal model folder: load the language model only")  # fmt: skip
+    evaluation.add_argument(
+        "--text-only", action="store_true", help="a multimodal model folder: load the language model only"
+    )
     evaluation.add_argument("--json", action="store_true", help="print one JSON object")
     evaluation.set_defaults(func=cmd_eval)
 
@@ -140,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_draft_parser(sub)
 
     plot = sub.add_parser("plot", help="draw a run's loss and MaxVio curves to PNG, or the routing figure")
-    plot.add_argument("run", help="a run folder, or `routing` for the routing demo's figure (a run folder named "
-                                  "routing: ./routing)")  # fmt: skip
+    plot.add_argument(
+        "run", help="a run folder, or `routing` for the routing demo's figure (a run folder named routing: ./routing)"
+    )
     plot.add_argument("--out", default=None, help="k3 plot routing: the PNG to write (default: routing.png)")
     plot.set_defaults(func=cmd_plot)
 

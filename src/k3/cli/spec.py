@@ -31,8 +31,14 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     except (*RUN_ERRORS, KeyError) as e:
         return _run_error("train-draft", e)
     _, report = train_draft(big, train, held_out, cfg, log, folder)
-    shown = ("tokens_per_step_greedy", "tokens_per_step_sampled", "greedy_acceptance_at", "alpha_at", "steps",
-             "train_seconds")  # fmt: skip
+    shown = (
+        "tokens_per_step_greedy",
+        "tokens_per_step_sampled",
+        "greedy_acceptance_at",
+        "alpha_at",
+        "steps",
+        "train_seconds",
+    )
     print(json.dumps({k: report[k] for k in shown}))
     print(f"wrote {cfg.out}/ (serve it: k3 serve --model {cfg.ckpt} --speculative-model {cfg.out})")
     return 0

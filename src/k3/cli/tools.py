@@ -31,10 +31,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         device = _device(args.device)
         budget = None if args.memory_budget is None else int(args.memory_budget * (1 << 20))
-        return serve(args.model, args.host, args.port, max_model_len=args.max_model_len, limits=limits,
-                     api_key=args.api_key or os.environ.get("K3_API_KEY") or None, model_name=args.served_model_name,
-                     memory_budget=budget, num_pages=args.num_pages, device=device, quantization=args.quantization,
-                     max_num_seqs=args.max_num_seqs, speculative_model=args.speculative_model)  # fmt: skip
+        return serve(
+            args.model,
+            args.host,
+            args.port,
+            max_model_len=args.max_model_len,
+            limits=limits,
+            api_key=args.api_key or os.environ.get("K3_API_KEY") or None,
+            model_name=args.served_model_name,
+            memory_budget=budget,
+            num_pages=args.num_pages,
+            device=device,
+            quantization=args.quantization,
+            max_num_seqs=args.max_num_seqs,
+            speculative_model=args.speculative_model,
+        )
     except USER_ERRORS as e:
         return _fail("serve", e)
 
@@ -45,8 +56,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     from k3.hub import export_model, parse_size
 
     try:
-        out = export_model(args.ckpt, args.out, shard_size=parse_size(args.shard_size), quantize=args.quantize,
-                           prefix=args.prefix, force=args.force)  # fmt: skip
+        out = export_model(
+            args.ckpt,
+            args.out,
+            shard_size=parse_size(args.shard_size),
+            quantize=args.quantize,
+            prefix=args.prefix,
+            force=args.force,
+        )
     except USER_ERRORS as e:
         return _fail("export", e)
     files = sorted(p.name for p in out.iterdir())
@@ -98,20 +115,41 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--model", required=True, help="a model folder, a run folder or a step_* folder")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
-    srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $K3_API_KEY, else none)")  # fmt: skip
+    srv.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $K3_API_KEY, else none)"
+    )
     srv.add_argument("--served-model-name", default=None, help="the model's id in the API (default: the folder name)")
-    srv.add_argument("--max-model-len", type=int, default=None,
-                     help="context in tokens, prompt + output (default: max_position_embeddings)")  # fmt: skip
-    srv.add_argument("--max-tokens-limit", type=int, default=L.MAX_TOKENS_LIMIT,
-                     help="largest max_tokens a request may ask (default: %(default)s)")  # fmt: skip
+    srv.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context in tokens, prompt + output (default: max_position_embeddings)",
+    )
+    srv.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=L.MAX_TOKENS_LIMIT,
+        help="largest max_tokens a request may ask (default: %(default)s)",
+    )
     srv.add_argument("--max-n", type=int, default=L.MAX_N, help="largest n (choices per prompt) (default: %(default)s)")
-    srv.add_argument("--max-prompts", type=int, default=L.MAX_PROMPTS,
-                     help="prompts in one /v1/completions request (default: %(default)s)")  # fmt: skip
-    srv.add_argument("--max-body-bytes", type=int, default=L.MAX_BODY_BYTES,
-                     help="largest request body; larger gets 413 (default: %(default)s)")  # fmt: skip
-    srv.add_argument("--drain-timeout", type=float, default=L.DRAIN_TIMEOUT_S,
-                     help="seconds running requests get to finish after SIGTERM (default: %(default)s)")  # fmt: skip
+    srv.add_argument(
+        "--max-prompts",
+        type=int,
+        default=L.MAX_PROMPTS,
+        help="prompts in one /v1/completions request (default: %(default)s)",
+    )
+    srv.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=L.MAX_BODY_BYTES,
+        help="largest request body; larger gets 413 (default: %(default)s)",
+    )
+    srv.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=L.DRAIN_TIMEOUT_S,
+        help="seconds running requests get to finish after SIGTERM (default: %(default)s)",
+    )
     timing = [
         ("--header-timeout", L.HEADER_TIMEOUT_S, "seconds a connection has to send a request's headers"),
         ("--body-timeout", L.BODY_TIMEOUT_S, "seconds a request has to send its body (408 after)"),
@@ -128,11 +166,16 @@ def _add_serve_parser(sub) -> None:
         srv.add_argument(flag, type=int, default=default, help=f"{text} (default: %(default)s)")
     srv.add_argument("--max-num-seqs", type=int, default=None, help="requests running at once (default: 64)")
     srv.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    srv.add_argument("--quantization", choices=["mxfp4"], default=None,
-                     help="keep the routed experts MXFP4-packed in memory (default: dense)")  # fmt: skip
+    srv.add_argument(
+        "--quantization",
+        choices=["mxfp4"],
+        default=None,
+        help="keep the routed experts MXFP4-packed in memory (default: dense)",
+    )
     size = srv.add_mutually_exclusive_group()
     size.add_argument("--memory-budget", type=float, default=None, help="MiB for the engine's page pool (256)")
     size.add_argument("--num-pages", type=int, default=None, help="the page pool's size in pages instead")
-    srv.add_argument("--speculative-model", default=None,
-                     help="a draft folder from `k3 train-draft`: speculative decoding")  # fmt: skip
+    srv.add_argument(
+        "--speculative-model", default=None, help="a draft folder from `k3 train-draft`: speculative decoding"
+    )
     srv.set_defaults(func=cmd_serve)

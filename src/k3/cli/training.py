@@ -70,8 +70,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         return _train_rank(args, train_args)
     if getattr(args, "ep", 1) != 1:
-        return _run_error("train", ValueError(f"--ep {args.ep} splits the experts over processes: add --nproc N "
-                                              f"(a multiple of {args.ep}) or run under torchrun"))  # fmt: skip
+        return _run_error(
+            "train",
+            ValueError(
+                f"--ep {args.ep} splits the experts over processes: add --nproc N "
+                f"(a multiple of {args.ep}) or run under torchrun"
+            ),
+        )
     from k3.train.trainer import Trainer
 
     trainer = None
@@ -116,8 +121,10 @@ def _check_launch(args: argparse.Namespace, train_args) -> None:
         raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
     Parallel(0, args.nproc, train_args.ep, train_args.dp)
     if args.batch_size % args.nproc:
-        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of --nproc {args.nproc}: each process "
-                         f"takes an equal share of every micro-batch")  # fmt: skip
+        raise ValueError(
+            f"--batch-size {args.batch_size} must be a multiple of --nproc {args.nproc}: each process "
+            f"takes an equal share of every micro-batch"
+        )
 
 
 def _train_rank(args: argparse.Namespace, train_args) -> int:
@@ -164,10 +171,12 @@ def _print_next(args: argparse.Namespace, train_args, summary) -> None:
     import shlex
 
     out, model = shlex.quote(args.out), shlex.quote(args.out.rstrip("/") + "-model")
-    print(f"\nnext:\n  {next_generate(args.out)}\n"
-          f"  k3 plot {out}    # loss.png and maxvio.png in the run folder\n"
-          f"  {_rerun_command(args, train_args, resume=True, steps=2 * args.steps)}    # train twice as long\n"
-          f"  k3 export --ckpt {out} --out {model}    # a model folder for k3, vLLM or SGLang")  # fmt: skip
+    print(
+        f"\nnext:\n  {next_generate(args.out)}\n"
+        f"  k3 plot {out}    # loss.png and maxvio.png in the run folder\n"
+        f"  {_rerun_command(args, train_args, resume=True, steps=2 * args.steps)}    # train twice as long\n"
+        f"  k3 export --ckpt {out} --out {model}    # a model folder for k3, vLLM or SGLang"
+    )
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -206,16 +215,20 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     from k3.train.trainer import Trainer
 
     out = Path(args.out)
-    print(f"k3 quickstart: training the small K3 preset for {args.steps} steps on the Python standard library's "
-          f"source ({args.batch_size} × {args.seq_len} tokens per step), writing to {out}/")  # fmt: skip
+    print(
+        f"k3 quickstart: training the small K3 preset for {args.steps} steps on the Python standard library's "
+        f"source ({args.batch_size} × {args.seq_len} tokens per step), writing to {out}/"
+    )
     trainer = train_args = None
     try:
         train_args = _train_args(args, resume=out.is_dir() and bool(step_dirs(out)))
         trainer = Trainer(train_args)
         n = sum(p.numel() for p in trainer.model.parameters())
-        print(f"model: {n / 1e6:.1f}M parameters, {trainer.config.num_hidden_layers} layers "
-              f"({trainer.config.layer_types.count('kda')} KDA + {trainer.config.layer_types.count('mla')} MLA), "
-              f"{trainer.train_data.num_sequences * args.seq_len / 1e6:.1f}M training tokens")  # fmt: skip
+        print(
+            f"model: {n / 1e6:.1f}M parameters, {trainer.config.num_hidden_layers} layers "
+            f"({trainer.config.layer_types.count('kda')} KDA + {trainer.config.layer_types.count('mla')} MLA), "
+            f"{trainer.train_data.num_sequences * args.seq_len / 1e6:.1f}M training tokens"
+        )
         summary = trainer.train()
         llm = LLM(str(out), memory_budget=64 << 20)
     except KeyboardInterrupt:
@@ -229,9 +242,11 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     _serve_demo(llm, args.sample_tokens)
     for path in plot_run(out):
         print(f"wrote {path}")
-    print(f"\nnext:\n  {next_generate(out)}\n"
-          f"  k3 train --preset small --steps 2000 --out runs/longer     # train longer\n"
-          f"  k3 params --preset k3                                      # the full 2.8T model, counted")  # fmt: skip
+    print(
+        f"\nnext:\n  {next_generate(out)}\n"
+        f"  k3 train --preset small --steps 2000 --out runs/longer     # train longer\n"
+        f"  k3 params --preset k3                                      # the full 2.8T model, counted"
+    )
     return 0
 
 
@@ -250,10 +265,12 @@ def _serve_demo(llm, max_tokens: int, requests: int = 8) -> None:
     m = llm.engine.metrics()
     a, b = (llm.tokenizer.encode(p) for p in prompts[:2])
     shared = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    print(f"\nserved {requests - 1} more requests sharing their first {shared} prompt tokens in "
-          f"{seconds:.1f} s, batched: {sum(len(o.token_ids) for o in outs) / seconds:.0f} output tokens/s; "
-          f"{sum(o.num_cached_tokens for o in outs):,} of {sum(o.num_prompt_tokens for o in outs):,} prompt tokens "
-          f"came from the prefix cache ({m['state_hit_tokens']:,} resumed from KDA checkpoints)")  # fmt: skip
+    print(
+        f"\nserved {requests - 1} more requests sharing their first {shared} prompt tokens in "
+        f"{seconds:.1f} s, batched: {sum(len(o.token_ids) for o in outs) / seconds:.0f} output tokens/s; "
+        f"{sum(o.num_cached_tokens for o in outs):,} of {sum(o.num_prompt_tokens for o in outs):,} prompt tokens "
+        f"came from the prefix cache ({m['state_hit_tokens']:,} resumed from KDA checkpoints)"
+    )
     print(llm.engine.describe().splitlines()[0])
 
 

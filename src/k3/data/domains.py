@@ -152,8 +152,9 @@ def split_source(text: str) -> tuple[str, str] | None:
         if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
             continue
         first = node.body[0] if node.body else None
-        if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-                and isinstance(first.value.value, str)):  # fmt: skip
+        if not (
+            isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
+        ):
             continue
         start, end = first.lineno - 1, first.end_lineno - 1
         pieces.append((start, ast.get_docstring(node, clean=True) or ""))

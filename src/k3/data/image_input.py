@@ -86,8 +86,10 @@ def _png_size(data: bytes) -> tuple[int, int] | None:
 def to_rgb(im: Image.Image, name: str = "the image") -> Image.Image:
     """RGB; transparency composited over white; modes without an RGB reading refused."""
     if im.mode not in RGB_MODES:
-        raise ImageError(f"{name} has pixel mode {im.mode!r}, which has no RGB reading k3 can assume; save it as "
-                         f"8-bit RGB, RGBA or greyscale")  # fmt: skip
+        raise ImageError(
+            f"{name} has pixel mode {im.mode!r}, which has no RGB reading k3 can assume; save it as "
+            f"8-bit RGB, RGBA or greyscale"
+        )
     if im.mode in ("RGBA", "LA", "PA", "La") or (im.mode == "P" and "transparency" in im.info):
         rgba = im.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

@@ -29,8 +29,10 @@ def media_token_ids(tokenizer) -> tuple[int, int, int]:
             missing.append(name)
         ids.append(i)
     if missing:
-        raise ValueError(f"this tokenizer has no image tokens ({', '.join(missing)} not registered as special "
-                         f"tokens): the model was not trained with images")  # fmt: skip
+        raise ValueError(
+            f"this tokenizer has no image tokens ({', '.join(missing)} not registered as special "
+            f"tokens): the model was not trained with images"
+        )
     return ids[0], ids[1], ids[2]
 
 

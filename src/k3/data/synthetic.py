@@ -78,8 +78,10 @@ def _fill(units: list[list[str]], more, budget: int, encode) -> list[list[int]]:
         used += sum(map(len, ids))
         lines += ids
     if used > budget:
-        raise SyntheticError(f"the task's required lines take {used} tokens, more than the {budget} left for the "
-                             f"context: choose a longer length")  # fmt: skip
+        raise SyntheticError(
+            f"the task's required lines take {used} tokens, more than the {budget} left for the "
+            f"context: choose a longer length"
+        )
     while True:
         ids = [encode(line) for line in more()]
         size = sum(map(len, ids))
@@ -89,8 +91,9 @@ def _fill(units: list[list[str]], more, budget: int, encode) -> list[list[int]]:
         lines += ids
 
 
-def make_example(task: str, length: int, tokenizer, seed: int = 0, split: str = "eval", hops: int = 2,
-                 max_count: int | None = None) -> SyntheticExample:  # fmt: skip
+def make_example(
+    task: str, length: int, tokenizer, seed: int = 0, split: str = "eval", hops: int = 2, max_count: int | None = None
+) -> SyntheticExample:
     """One example of `task` exactly `length` tokens long (tokenizer: anything with `encode(str) -> ids`).
 
     hops: key -> key links before the value in multihop (2: key -> key -> value); max_count: the most
@@ -127,8 +130,10 @@ def make_example(task: str, length: int, tokenizer, seed: int = 0, split: str = 
 
         def more() -> list[str]:
             names = [name() for _ in range(hops + 1)]
-            return [*(f"{INDENT}{a} = {b}\n" for a, b in itertools.pairwise(names)),
-                    f"{INDENT}{names[-1]} = {value()}\n"]  # fmt: skip
+            return [
+                *(f"{INDENT}{a} = {b}\n" for a, b in itertools.pairwise(names)),
+                f"{INDENT}{names[-1]} = {value()}\n",
+            ]
     else:
         hits = rng.randint(1, max_count)
         answer = f" {hits}"
@@ -179,8 +184,10 @@ class SyntheticMix:
             try:
                 make_example(task, seq_len, self.tokenizer)
             except SyntheticError as e:
-                raise SyntheticError(f"--synthetic-ratio: the {task} task does not fit in sequences of {seq_len} "
-                                     f"tokens ({e}); train on longer sequences or without it") from None  # fmt: skip
+                raise SyntheticError(
+                    f"--synthetic-ratio: the {task} task does not fit in sequences of {seq_len} "
+                    f"tokens ({e}); train on longer sequences or without it"
+                ) from None
 
     def example_at(self, position: int, seq_len: int) -> SyntheticExample | None:
         """The example that replaces data position `position`, or None to keep the corpus sequence."""

@@ -56,15 +56,19 @@ def plot_routing(out: str | Path, base: RoutingParams | None = None) -> Path:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax = fig.add_subplot(grid[1, :])
     for (label, result), color in zip(results, COLORS, strict=True):
-        ax.plot(range(1, base.batches + 1), [b.maxvio for b in result.batches], "o-", ms=3, lw=1.3, color=color,
-                label=label)  # fmt: skip
+        ax.plot(
+            range(1, base.batches + 1), [b.maxvio for b in result.batches], "o-", ms=3, lw=1.3, color=color, label=label
+        )
     ax.set(xlabel="batch (the bias is set from each batch for the next)", ylabel="MaxVio = (max − mean) / mean")
     ax.set_ylim(bottom=0)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(f"Routing {base.tokens} tokens to {base.experts} experts, top-{base.k}, skew {base.skew:g}, "
-                 f"seed {base.seed}: k3's router and balancers", fontsize=11)  # fmt: skip
+    fig.suptitle(
+        f"Routing {base.tokens} tokens to {base.experts} experts, top-{base.k}, skew {base.skew:g}, "
+        f"seed {base.seed}: k3's router and balancers",
+        fontsize=11,
+    )
     fig.tight_layout()
     out = Path(out)
     atomic_write(out, lambda tmp: fig.savefig(tmp, format="png", dpi=110))

@@ -113,8 +113,9 @@ class DistillArgs(RunArgs):
                 (domain,) = parse_domains(name)
                 weight = float(value) if sep else math.nan
             except (DomainError, ValueError):
-                raise ValueError(f"--mix {self.mix!r}: {item!r} is not DOMAIN=WEIGHT (domains: "
-                                 f"{', '.join(DOMAINS)})") from None  # fmt: skip
+                raise ValueError(
+                    f"--mix {self.mix!r}: {item!r} is not DOMAIN=WEIGHT (domains: {', '.join(DOMAINS)})"
+                ) from None
             if not weight > 0 or not math.isfinite(weight) or domain in weights:
                 raise ValueError(f"--mix {self.mix!r}: {item!r}: each domain once, with a positive weight")
             weights[domain] = weight
@@ -164,8 +165,10 @@ class Distiller:
         specs = args.teachers() if args.objective == "reverse-kl" else []  # SFT reads no teacher
         self.teachers = [load_teacher(s, tokenizer_bytes, self.config.vocab_size, device()) for s in specs]
         self.owner = route(specs)
-        self.prompts = {d: DomainPrompts(d, load_corpus(d, log=log)[0], self.tokenizer, args.prompt_tokens,
-                                         args.max_new_tokens) for d in self.mixture}  # fmt: skip
+        self.prompts = {
+            d: DomainPrompts(d, load_corpus(d, log=log)[0], self.tokenizer, args.prompt_tokens, args.max_new_tokens)
+            for d in self.mixture
+        }
         self.optimizer = build_optimizer(self.model, lr=args.lr, weight_decay=args.weight_decay)
         self.balancer = QuantileBalancer(self.model)
         self.sampler = None
@@ -212,8 +215,9 @@ class Distiller:
     def draw(self, step: int) -> list[Prompt]:
         """The step's prompts: each row's domain from the mixture, then a prompt of that domain."""
         a = self.args
-        domains = random.Random(_seed(a.seed, step)).choices(list(self.mixture), list(self.mixture.values()),
-                                                             k=a.batch_size)  # fmt: skip
+        domains = random.Random(_seed(a.seed, step)).choices(
+            list(self.mixture), list(self.mixture.values()), k=a.batch_size
+        )
         return [self.prompts[d].draw(random.Random(_seed(a.seed, step, i))) for i, d in enumerate(domains)]
 
     def continuations(self, step: int, prompts: list[Prompt]) -> list[list[int]]:
@@ -242,8 +246,9 @@ class Distiller:
     def _step(self) -> dict[str, Any]:
         a = self.args
         t0 = time.perf_counter()
-        set_lr_factor(self.optimizer, factor := lr_at(self.step, a.steps, min(a.warmup, a.steps), a.schedule,
-                                                      a.min_lr_ratio))  # fmt: skip
+        set_lr_factor(
+            self.optimizer, factor := lr_at(self.step, a.steps, min(a.warmup, a.steps), a.schedule, a.min_lr_ratio)
+        )
         prompts = self.draw(self.step)
         completions = self.continuations(self.step, prompts)
         sample_s = time.perf_counter() - t0
@@ -270,8 +275,15 @@ class Distiller:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         row_of_N = torch.arange(len(rows), device=where_BT.device).repeat_interleave(where_BT.sum(1))
-        record = {"step": self.step, "loss": per_token.mean().item(), "lr": a.lr * factor, "grad_norm": grad_norm,
-                  "tokens": len(per_token), "sample_s": sample_s, "step_s": time.perf_counter() - t0}  # fmt: skip
+        record = {
+            "step": self.step,
+            "loss": per_token.mean().item(),
+            "lr": a.lr * factor,
+            "grad_norm": grad_norm,
+            "tokens": len(per_token),
+            "sample_s": sample_s,
+            "step_s": time.perf_counter() - t0,
+        }
         if self.sampler is not None:
             record["sampler_step"] = self.sampler.weights_step
         for domain in self.mixture:

@@ -59,8 +59,14 @@ def task_accuracy(model: torch.nn.Module, tokenizer, domain: str, tasks: int) ->
     return sum(check_answer(t, "".join(text[i])) for i, t in ids.items()) / len(chosen)
 
 
-def evaluate_domains(path: str | Path, domains: list[str], max_tokens: int = 4096, tasks: int = 32,
-                     seq_len: int = 256, batch_size: int = 4) -> list[DomainScore]:  # fmt: skip
+def evaluate_domains(
+    path: str | Path,
+    domains: list[str],
+    max_tokens: int = 4096,
+    tasks: int = 32,
+    seq_len: int = 256,
+    batch_size: int = 4,
+) -> list[DomainScore]:
     """Each domain's validation loss and (reasoning domains) task accuracy of the model at `path`."""
     from k3.hub import load_pretrained, load_tokenizer
 

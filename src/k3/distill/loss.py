@@ -19,9 +19,11 @@ import torch.nn.functional as F
 def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     """student_logits, teacher_logits (N, V) -> KL(p_s ‖ p_t) per position (N,); the teacher is detached."""
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {list(student_logits.shape)} and teacher logits "
-                         f"{list(teacher_logits.shape)} differ in shape (they need the same positions and "
-                         f"vocabulary)")  # fmt: skip
+        raise ValueError(
+            f"student logits {list(student_logits.shape)} and teacher logits "
+            f"{list(teacher_logits.shape)} differ in shape (they need the same positions and "
+            f"vocabulary)"
+        )
     dtype = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
     log_s = F.log_softmax(student_logits.to(dtype), dim=-1)
     log_t = F.log_softmax(teacher_logits.detach().to(dtype), dim=-1)

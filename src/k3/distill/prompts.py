@@ -42,15 +42,17 @@ class DomainPrompts:
             effort = self.domain.split("-", 1)[1]
             task = task_of(doc.name)
             worked = [*self.tokenizer.encode(task.worked(effort)), self.tokenizer.eos_id]
-            return Prompt(self.domain, self.tokenizer.encode(task.prompt(effort)), worked[: self.max_new_tokens],
-                          doc.name)  # fmt: skip
+            return Prompt(
+                self.domain, self.tokenizer.encode(task.prompt(effort)), worked[: self.max_new_tokens], doc.name
+            )
         for _ in range(MAX_DRAWS):
             index = rng.randrange(len(self.docs))
             ids = self._tokens(index)
             if len(ids) > self.prompt_tokens:
                 start = rng.randrange(len(ids) - self.prompt_tokens)
                 cut = start + self.prompt_tokens
-                return Prompt(self.domain, ids[start:cut], ids[cut : cut + self.max_new_tokens],
-                              self.docs[index].name)  # fmt: skip
-        raise ValueError(f"the {self.domain} domain: no document of {MAX_DRAWS} drawn is longer than "
-                         f"--prompt-tokens {self.prompt_tokens}; lower it")  # fmt: skip
+                return Prompt(self.domain, ids[start:cut], ids[cut : cut + self.max_new_tokens], self.docs[index].name)
+        raise ValueError(
+            f"the {self.domain} domain: no document of {MAX_DRAWS} drawn is longer than "
+            f"--prompt-tokens {self.prompt_tokens}; lower it"
+        )

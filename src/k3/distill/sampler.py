@@ -17,12 +17,14 @@ from k3.serve.sampling import SamplingParams
 
 
 class OnPolicySampler:
-    def __init__(self, student: K3Model, tokenizer, max_new_tokens: int, temperature: float = 1.0,
-                 memory_budget: int = 64 << 20):  # fmt: skip
+    def __init__(
+        self, student: K3Model, tokenizer, max_new_tokens: int, temperature: float = 1.0, memory_budget: int = 64 << 20
+    ):
         self.model = copy.deepcopy(student).eval()
         self.model.requires_grad_(False)
-        self.engine = LLMEngine(self.model, tokenizer,
-                                EngineConfig(memory_budget=memory_budget, enable_prefix_caching=False))  # fmt: skip
+        self.engine = LLMEngine(
+            self.model, tokenizer, EngineConfig(memory_budget=memory_budget, enable_prefix_caching=False)
+        )
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.weights_step: int | None = None  # the training step whose weights the engine holds
 

@@ -28,8 +28,10 @@ class TeacherSpec:
     def parse(text: str) -> "TeacherSpec":
         name, sep, path = text.partition("=")
         if not sep or not name or not path:
-            raise TeacherError(f"--teacher {text!r}: write NAME=CKPT, NAME a domain ({', '.join(DOMAINS)}), "
-                               f"several joined with '+', or 'all'; CKPT a run, step or model folder")  # fmt: skip
+            raise TeacherError(
+                f"--teacher {text!r}: write NAME=CKPT, NAME a domain ({', '.join(DOMAINS)}), "
+                f"several joined with '+', or 'all'; CKPT a run, step or model folder"
+            )
         try:
             domains = DOMAINS if name == "all" else parse_domains(name)
         except DomainError as e:
@@ -43,8 +45,10 @@ def route(specs: list[TeacherSpec]) -> dict[str, int]:
     for i, spec in enumerate(specs):
         for domain in spec.domains:
             if domain in owner:
-                raise TeacherError(f"the {domain} domain has two teachers: --teacher {specs[owner[domain]].text!r} "
-                                   f"and --teacher {spec.text!r}; give each domain one")  # fmt: skip
+                raise TeacherError(
+                    f"the {domain} domain has two teachers: --teacher {specs[owner[domain]].text!r} "
+                    f"and --teacher {spec.text!r}; give each domain one"
+                )
             owner[domain] = i
     return owner
 
@@ -60,16 +64,22 @@ def load_teacher(spec: TeacherSpec, tokenizer_bytes: bytes, vocab_size: int, dev
     except ValueError as e:
         raise TeacherError(f"--teacher {spec.text}: {e}") from None
     if pretrained.config.vocab_size != vocab_size:
-        raise TeacherError(f"--teacher {spec.text}: vocabulary mismatch: the teacher's model has "
-                           f"{pretrained.config.vocab_size} tokens, the student's {vocab_size}; a teacher must "
-                           f"share the student's tokenizer")  # fmt: skip
+        raise TeacherError(
+            f"--teacher {spec.text}: vocabulary mismatch: the teacher's model has "
+            f"{pretrained.config.vocab_size} tokens, the student's {vocab_size}; a teacher must "
+            f"share the student's tokenizer"
+        )
     if pretrained.tokenizer_path is None:
-        raise TeacherError(f"--teacher {spec.text}: no tokenizer.json beside the weights, so k3 cannot check that "
-                           f"it reads the student's tokens")  # fmt: skip
+        raise TeacherError(
+            f"--teacher {spec.text}: no tokenizer.json beside the weights, so k3 cannot check that "
+            f"it reads the student's tokens"
+        )
     if pretrained.tokenizer_path.read_bytes() != tokenizer_bytes:
-        raise TeacherError(f"--teacher {spec.text}: vocabulary mismatch: its tokenizer.json differs from the "
-                           f"student's (token ids would mean other text); fine-tune teachers from the student's "
-                           f"run (k3 train --init-from)")  # fmt: skip
+        raise TeacherError(
+            f"--teacher {spec.text}: vocabulary mismatch: its tokenizer.json differs from the "
+            f"student's (token ids would mean other text); fine-tune teachers from the student's "
+            f"run (k3 train --init-from)"
+        )
     model = pretrained.model.eval()
     model.requires_grad_(False)
     return model

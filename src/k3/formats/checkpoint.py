@@ -80,8 +80,9 @@ def write_meta(folder: Path, meta: dict[str, Any]) -> Path:
 
 def _step_folders(run_dir: Path) -> list[Path]:
     """Every step_XXXXXXXX folder, complete or not, oldest first."""
-    return sorted((p for p in Path(run_dir).glob("step_*") if p.is_dir() and STEP_NAME.fullmatch(p.name)),
-                  key=lambda p: p.name)  # fmt: skip
+    return sorted(
+        (p for p in Path(run_dir).glob("step_*") if p.is_dir() and STEP_NAME.fullmatch(p.name)), key=lambda p: p.name
+    )
 
 
 def step_dirs(run_dir: Path) -> list[Path]:
@@ -101,8 +102,10 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) 
                 tensors[f"{index_to_name[i]}::{key}"] = value.detach().contiguous().cpu()
             else:
                 scalars[f"{index_to_name[i]}::{key}"] = value
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index_to_name[i] for i in g["params"]]}
-              for g in sd["param_groups"]]  # fmt: skip
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [index_to_name[i] for i in g["params"]]}
+        for g in sd["param_groups"]
+    ]
     return tensors, {"groups": groups, "scalars": scalars}
 
 
@@ -260,8 +263,10 @@ class Checkpoint:
             if place is not None and isinstance(value, torch.Tensor):
                 value = place(params[name], value)
             state.setdefault(index[name], {})[leaf] = value
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in names]}
-                  for g, names in zip(saved["groups"], groups_names, strict=True)]  # fmt: skip
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in names]}
+            for g, names in zip(saved["groups"], groups_names, strict=True)
+        ]
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
@@ -273,8 +278,10 @@ def check_tokenizer_path(name: Any, run_dir: Path) -> None:
     if not isinstance(name, str) or not name:
         raise CheckpointError(f"{run_dir}: the training state's tokenizer must be a file name, got {name!r}")
     if Path(name).is_absolute() or ".." in Path(name).parts or "\\" in name:
-        raise CheckpointError(f"{run_dir}: the training state's tokenizer {name!r} points outside the run folder; "
-                              f"it must be a path inside it, such as 'tokenizer.json'")  # fmt: skip
+        raise CheckpointError(
+            f"{run_dir}: the training state's tokenizer {name!r} points outside the run folder; "
+            f"it must be a path inside it, such as 'tokenizer.json'"
+        )
 
 
 def _check_shape(path: Path, meta: Any) -> None:
@@ -283,14 +290,17 @@ def _check_shape(path: Path, meta: Any) -> None:
     if not isinstance(meta, dict):
         raise CheckpointError(f"{where}: a JSON {type(meta).__name__}, not the object k3 writes")
     if meta.get("format") not in READABLE_FORMATS:
-        raise CheckpointError(f"{path}: not a k3 checkpoint (format = {meta.get('format')!r}; k3 reads "
-                              f"{', '.join(READABLE_FORMATS)})")  # fmt: skip
+        raise CheckpointError(
+            f"{path}: not a k3 checkpoint (format = {meta.get('format')!r}; k3 reads {', '.join(READABLE_FORMATS)})"
+        )
     if meta["format"] == FORMAT:
         if "meta_sha256" not in meta:
             raise CheckpointError(f"{where} has no meta_sha256: it was edited or damaged")
         if meta["meta_sha256"] != meta_checksum(meta):
-            raise CheckpointError(f"{where} does not match its own checksum (meta_sha256): it was edited or "
-                                  f"damaged after it was written; k3 does not load a changed checkpoint")  # fmt: skip
+            raise CheckpointError(
+                f"{where} does not match its own checksum (meta_sha256): it was edited or "
+                f"damaged after it was written; k3 does not load a changed checkpoint"
+            )
     step = meta.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{where}: step must be a non-negative integer, got {step!r}")
@@ -354,8 +364,10 @@ def load_checkpoint(path: str | Path, verify: bool = True, log: Callable[[str], 
             errors.append(e)
             continue
         if errors:
-            (log or _warn)(f"{path}: loading the older {ckpt.path.name} (step {ckpt.step}) because "
-                           + "; ".join(str(e) for e in errors))  # fmt: skip
+            (log or _warn)(
+                f"{path}: loading the older {ckpt.path.name} (step {ckpt.step}) because "
+                + "; ".join(str(e) for e in errors)
+            )
         return ckpt
     raise errors[0]
 

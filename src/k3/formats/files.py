@@ -87,8 +87,10 @@ def read_jsonl(path: str | Path, log: Callable[[str], None] | None = None) -> li
         except json.JSONDecodeError as e:
             if number == len(lines):  # the last line has no newline after it: an append was interrupted
                 if log is not None:
-                    log(f"{path}: dropped a torn last line (line {number}, {len(line)} bytes) left by an "
-                        f"interrupted write")  # fmt: skip
+                    log(
+                        f"{path}: dropped a torn last line (line {number}, {len(line)} bytes) left by an "
+                        f"interrupted write"
+                    )
                 continue
             raise RunFileError(f"{path}, line {number}: not a JSON object ({e}); the file is damaged") from e
         if not isinstance(record, dict):

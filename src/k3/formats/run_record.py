@@ -42,8 +42,14 @@ class RunRecord:
     history: list[dict[str, Any]]
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "flags": self.flags, "data": self.data, "val_data": self.val_data,
-                "tokenizer_sha256": self.tokenizer_sha256, "history": self.history}  # fmt: skip
+        return {
+            "format": FORMAT,
+            "flags": self.flags,
+            "data": self.data,
+            "val_data": self.val_data,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "history": self.history,
+        }
 
 
 def read_record(run: Path) -> RunRecord | None:
@@ -56,8 +62,13 @@ def read_record(run: Path) -> RunRecord | None:
         raise RunMismatchError(f"{path} is not valid JSON ({e}); it records what the run was made from") from e
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("flags"), dict):
         raise RunMismatchError(f"{path} is not a {FORMAT} record")
-    return RunRecord(raw["flags"], raw.get("data") or {}, raw.get("val_data"), raw.get("tokenizer_sha256"),
-                     list(raw.get("history", [])))  # fmt: skip
+    return RunRecord(
+        raw["flags"],
+        raw.get("data") or {},
+        raw.get("val_data"),
+        raw.get("tokenizer_sha256"),
+        list(raw.get("history", [])),
+    )
 
 
 def write_record(run: Path, record: RunRecord) -> None:
@@ -70,8 +81,10 @@ def _data_diff(flag: str, recorded: dict[str, Any] | None, now: dict[str, Any] |
     if recorded["path"] != now["path"]:
         return [f"{flag}: the run was made from {where['r']}, now {where['n']}"]
     if recorded.get("sha256") and now.get("sha256") and recorded["sha256"] != now["sha256"]:
-        return [f"{flag}: the files of {where['n']} changed since the run started (content sha256 "
-                f"{recorded['sha256'][:12]}… then, {now['sha256'][:12]}… now)"]  # fmt: skip
+        return [
+            f"{flag}: the files of {where['n']} changed since the run started (content sha256 "
+            f"{recorded['sha256'][:12]}… then, {now['sha256'][:12]}… now)"
+        ]
     return []
 
 

@@ -76,9 +76,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192) -> K3Tokenizer
     """BPE merges learned from texts on top of the 256 byte symbols and the special tokens."""
     tok = _empty_bpe()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        min_frequency=2, show_progress=False,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
     return K3Tokenizer(tok)
 

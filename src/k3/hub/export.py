@@ -227,8 +227,10 @@ def export_model(
         raise ModelFolderError(f"{out} exists and is not empty; choose a new --out or pass --force to replace it")
     pretrained = load_pretrained(source)
     if pretrained.config.vision_config is not None and prefix != "language_model":
-        raise ModelFolderError(f"{source} has a vision tower: its folder is the release's multimodal layout, "
-                               f"prefix 'language_model' (--prefix language_model)")  # fmt: skip
+        raise ModelFolderError(
+            f"{source} has a vision tower: its folder is the release's multimodal layout, "
+            f"prefix 'language_model' (--prefix language_model)"
+        )
     eos = K3Tokenizer.load(pretrained.tokenizer_path).eos_id if pretrained.tokenizer_path else None
     tensors = release_tensors(pretrained.model.state_dict(), pretrained.config, prefix, quantize)
     config_json = release_config(pretrained.config, prefix, quantize, eos, weights_dtype(tensors))

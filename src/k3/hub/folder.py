@@ -27,10 +27,19 @@ MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit; a larger length means th
 
 # safetensors dtype codes -> torch dtypes (the ones a K3 checkpoint can hold)
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class ModelFolderError(ValueError):
@@ -88,14 +97,17 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise ModelFolderError(f"{path}: {name} has dtype {dtype}, which k3 does not read ({sorted(DTYPES)})")
         info = TensorInfo(path.name, dtype, shape)
         if stop - begin != info.nbytes:
-            raise ModelFolderError(f"{path}: {name} spans {stop - begin} bytes but {dtype} {list(shape)} needs "
-                                   f"{info.nbytes}")  # fmt: skip
+            raise ModelFolderError(
+                f"{path}: {name} spans {stop - begin} bytes but {dtype} {list(shape)} needs {info.nbytes}"
+            )
         infos[name] = info
         end = max(end, stop)
     have = size - 8 - n
     if have < end:
-        raise ModelFolderError(f"{path} is truncated: its header describes {end} bytes of tensor data, the file "
-                               f"holds {have}; download or copy it again")  # fmt: skip
+        raise ModelFolderError(
+            f"{path} is truncated: its header describes {end} bytes of tensor data, the file "
+            f"holds {have}; download or copy it again"
+        )
     return infos
 
 
@@ -127,8 +139,10 @@ class ModelFolder:
             raise ModelFolderError(f"{path}: no such model folder")
         config_path = path / "config.json"
         if not config_path.is_file():
-            raise ModelFolderError(f"{path}: no config.json; a model folder holds config.json and its weights "
-                                   f"({SINGLE}, or shards listed by {INDEX})")  # fmt: skip
+            raise ModelFolderError(
+                f"{path}: no config.json; a model folder holds config.json and its weights "
+                f"({SINGLE}, or shards listed by {INDEX})"
+            )
         try:
             config_dict = json.loads(config_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -140,8 +154,10 @@ class ModelFolder:
         else:
             shards = sorted(p.name for p in path.glob("*.safetensors"))
             if shards:
-                raise ModelFolderError(f"{path}: weight files {shards[:3]} but no {INDEX} to say which tensor is "
-                                       f"where; the index is part of a sharded model folder")  # fmt: skip
+                raise ModelFolderError(
+                    f"{path}: weight files {shards[:3]} but no {INDEX} to say which tensor is "
+                    f"where; the index is part of a sharded model folder"
+                )
             raise ModelFolderError(f"{path}: no weights ({SINGLE} or {INDEX})")
         return cls(path, config_dict, tensors, files)
 
@@ -160,8 +176,10 @@ class ModelFolder:
         for file, names in by_file.items():
             if not (path / file).is_file():
                 what = "missing shard " + _shard_label(file) if SHARD_NAME.match(file) else f"missing file {file}"
-                raise ModelFolderError(f"{path}: {what}: the weight_map of {INDEX} places {len(names)} tensors "
-                                       f"there (e.g. {sorted(names)[0]})")  # fmt: skip
+                raise ModelFolderError(
+                    f"{path}: {what}: the weight_map of {INDEX} places {len(names)} tensors "
+                    f"there (e.g. {sorted(names)[0]})"
+                )
         counts = {int(m[2]) for m in map(SHARD_NAME.match, by_file) if m}
         if len(counts) == 1:  # a numbered series: every shard of it must be listed
             n = counts.pop()
@@ -169,8 +187,10 @@ class ModelFolder:
             absent = [i for i in range(1, n + 1) if i not in listed]
             if absent:
                 first = f"model-{absent[0]:05d}-of-{n:05d}.safetensors"
-                raise ModelFolderError(f"{path}: missing shard {_shard_label(first)}: the weight_map of {INDEX} "
-                                       f"lists no tensor in shards {absent} of {n}")  # fmt: skip
+                raise ModelFolderError(
+                    f"{path}: missing shard {_shard_label(first)}: the weight_map of {INDEX} "
+                    f"lists no tensor in shards {absent} of {n}"
+                )
         tensors: dict[str, TensorInfo] = {}
         files = sorted(by_file, key=lambda f: (0, int(m[1])) if (m := SHARD_NAME.match(f)) else (1, f))
         for file in files:
@@ -178,12 +198,15 @@ class ModelFolder:
             listed = set(by_file[file])
             absent = listed - set(header)
             if absent:
-                raise ModelFolderError(f"{path / file}: the weight_map places {_names(absent)} here, but the file "
-                                       f"does not hold them")  # fmt: skip
+                raise ModelFolderError(
+                    f"{path / file}: the weight_map places {_names(absent)} here, but the file does not hold them"
+                )
             unlisted = set(header) - listed
             if unlisted:
-                raise ModelFolderError(f"{path / file} holds {_names(unlisted)}, which the weight_map of {INDEX} "
-                                       f"places elsewhere or not at all")  # fmt: skip
+                raise ModelFolderError(
+                    f"{path / file} holds {_names(unlisted)}, which the weight_map of {INDEX} "
+                    f"places elsewhere or not at all"
+                )
             tensors.update(header)
         return tensors, files
 

@@ -38,8 +38,10 @@ def detect_prefix(names) -> str:
     multimodal = [n for n in names if n.startswith(("language_model.", *UNBUILT_PARTS))]
     text_only = [n for n in names if n.startswith(("model.", "lm_head."))]
     if multimodal and text_only:
-        raise ModelFolderError(f"tensors under both prefixes: {_names(text_only, 3)} (text-only) and "
-                               f"{_names(multimodal, 3)} (multimodal); a folder uses one")  # fmt: skip
+        raise ModelFolderError(
+            f"tensors under both prefixes: {_names(text_only, 3)} (text-only) and "
+            f"{_names(multimodal, 3)} (multimodal); a folder uses one"
+        )
     return "language_model" if multimodal else "model"
 
 
@@ -89,9 +91,11 @@ def plan_load(tensors: dict[str, TensorInfo], expected: dict[str, torch.Size], t
                 out, n_in = expected[target]
                 want = (out, n_in // 2) if kind == "packed" else (out, n_in // BLOCK_SIZE)
                 if n_in % BLOCK_SIZE or info.shape != want:
-                    wrong.append(f"{name}: shape {list(info.shape)}, the packed form of a [{out}, {n_in}] weight is "
-                                 f"{list(want)}" + (f" (in-features must be a multiple of {BLOCK_SIZE})"
-                                                    if n_in % BLOCK_SIZE else ""))  # fmt: skip
+                    wrong.append(
+                        f"{name}: shape {list(info.shape)}, the packed form of a [{out}, {n_in}] weight is "
+                        f"{list(want)}"
+                        + (f" (in-features must be a multiple of {BLOCK_SIZE})" if n_in % BLOCK_SIZE else "")
+                    )
                 halves.setdefault(target, {})[kind] = name
                 plan.placements[name] = Placement(target, kind)
                 break
@@ -102,8 +106,11 @@ def plan_load(tensors: dict[str, TensorInfo], expected: dict[str, torch.Size], t
             shape = tuple(expected[k3_name])
             if info.dtype not in FLOAT_DTYPES:
                 wrong.append(f"{name}: dtype {info.dtype}, expected a floating-point tensor")
-            if k3_name.endswith(".A_log") and info.shape in (shape, (RELEASED_A_LOG_SIZE,)) and \
-                    shape[0] <= RELEASED_A_LOG_SIZE:  # fmt: skip
+            if (
+                k3_name.endswith(".A_log")
+                and info.shape in (shape, (RELEASED_A_LOG_SIZE,))
+                and shape[0] <= RELEASED_A_LOG_SIZE
+            ):
                 plan.placements[name] = Placement(k3_name, "a_log")
                 continue
             if info.shape != shape:
@@ -117,18 +124,27 @@ def plan_load(tensors: dict[str, TensorInfo], expected: dict[str, torch.Size], t
     targets = [p.target for p in plan.placements.values()]
     twice = sorted({t for t in targets if targets.count(t) > (2 if t in halves else 1)})
     if twice:
-        raise ModelFolderError(f"more than one tensor for {_names(twice)} (e.g. both .weight and .weight_packed, "
-                               f"or an old and a released name)")  # fmt: skip
+        raise ModelFolderError(
+            f"more than one tensor for {_names(twice)} (e.g. both .weight and .weight_packed, "
+            f"or an old and a released name)"
+        )
     if unknown:
-        raise ModelFolderError(f"tensors k3 cannot place: {_names(unknown)} (prefix {prefix!r}); the config does not "
-                               f"build them, or they are misnamed")  # fmt: skip
+        raise ModelFolderError(
+            f"tensors k3 cannot place: {_names(unknown)} (prefix {prefix!r}); the config does not "
+            f"build them, or they are misnamed"
+        )
     if plan.skipped and not text_only:
-        raise ModelFolderError(f"{len(plan.skipped)} tensors of parts k3 does not build "
-                               f"({_names(plan.skipped, 4)}); pass text_only=True (--text-only) to load the language "
-                               f"model without them")  # fmt: skip
+        raise ModelFolderError(
+            f"{len(plan.skipped)} tensors of parts k3 does not build "
+            f"({_names(plan.skipped, 4)}); pass text_only=True (--text-only) to load the language "
+            f"model without them"
+        )
     if wrong:
-        raise ModelFolderError("tensors that do not fit the config: " + "; ".join(wrong[:8]) +
-                               (f"; and {len(wrong) - 8} more" if len(wrong) > 8 else ""))  # fmt: skip
+        raise ModelFolderError(
+            "tensors that do not fit the config: "
+            + "; ".join(wrong[:8])
+            + (f"; and {len(wrong) - 8} more" if len(wrong) > 8 else "")
+        )
     missing = set(expected) - set(targets)
     if missing:
         raise ModelFolderError(f"tensors the model needs but the folder lacks: {_names(missing)}")

@@ -37,8 +37,9 @@ QUANTIZATIONS = (None, "mxfp4")  # how routed experts are held in memory: dense,
 
 def check_quantization(quantization: str | None) -> None:
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization {quantization!r}: k3 keeps routed experts dense (None) or MXFP4-packed "
-                         f"('mxfp4')")  # fmt: skip
+        raise ValueError(
+            f"quantization {quantization!r}: k3 keeps routed experts dense (None) or MXFP4-packed ('mxfp4')"
+        )
 
 
 @dataclass
@@ -86,8 +87,9 @@ def folder_kind(path: str | Path) -> str:
         return "checkpoint"
     if (path / "config.json").exists():
         return "model folder"
-    raise ModelFolderError(f"{path} is neither a model folder (config.json + safetensors) nor a run or step folder "
-                           f"(step_*/meta.json)")  # fmt: skip
+    raise ModelFolderError(
+        f"{path} is neither a model folder (config.json + safetensors) nor a run or step folder (step_*/meta.json)"
+    )
 
 
 def _expected_shapes(config: K3Config, dtype: torch.dtype) -> tuple[K3Model, dict[str, torch.Size]]:
@@ -156,9 +158,11 @@ def load_model_folder(
                     elif place.kind == "a_log":
                         n = param.shape[0]
                         if t.shape[0] != n and t[n:].count_nonzero():
-                            raise ModelFolderError(f"{name}: the padded A_log [{RELEASED_A_LOG_SIZE}] holds "
-                                                   f"nonzero values past num_heads = {n}: the config and the "
-                                                   f"weights disagree on the number of KDA heads")  # fmt: skip
+                            raise ModelFolderError(
+                                f"{name}: the padded A_log [{RELEASED_A_LOG_SIZE}] holds "
+                                f"nonzero values past num_heads = {n}: the config and the "
+                                f"weights disagree on the number of KDA heads"
+                            )
                         param.copy_(t[:n])
                     else:
                         halves = pending.setdefault(place.target, {})
@@ -193,8 +197,15 @@ def load_pretrained(
     if folder_kind(path) == "model folder":
         model, plan = load_model_folder(path, dtype, device, text_only, stats, quantization)
         tokenizer = path / "tokenizer.json"
-        return Pretrained(model, model.config, tokenizer if tokenizer.exists() else None, path, "model folder",
-                          plan.skipped, quantization)  # fmt: skip
+        return Pretrained(
+            model,
+            model.config,
+            tokenizer if tokenizer.exists() else None,
+            path,
+            "model folder",
+            plan.skipped,
+            quantization,
+        )
     ckpt = load_checkpoint(path)
     config = ckpt.config
     with torch.device(device):
@@ -204,8 +215,9 @@ def load_pretrained(
         pack_experts(model)
     model = model.to(dtype).eval()
     tokenizer = ckpt.path.parent / ckpt.state.get("tokenizer", "tokenizer.json")
-    return Pretrained(model, config, tokenizer if tokenizer.exists() else None, ckpt.path, "checkpoint", [],
-                      quantization)  # fmt: skip
+    return Pretrained(
+        model, config, tokenizer if tokenizer.exists() else None, ckpt.path, "checkpoint", [], quantization
+    )
 
 
 def load_tokenizer(pretrained: Pretrained):
@@ -217,8 +229,10 @@ def load_tokenizer(pretrained: Pretrained):
         raise ModelFolderError(f"{pretrained.path}: no tokenizer.json in {where}; generating text needs one")
     tokenizer = K3Tokenizer.load(pretrained.tokenizer_path)
     if tokenizer.vocab_size > pretrained.config.vocab_size:
-        raise ModelFolderError(f"{pretrained.tokenizer_path} has {tokenizer.vocab_size} tokens, the model only "
-                               f"{pretrained.config.vocab_size}")  # fmt: skip
+        raise ModelFolderError(
+            f"{pretrained.tokenizer_path} has {tokenizer.vocab_size} tokens, the model only "
+            f"{pretrained.config.vocab_size}"
+        )
     return tokenizer
 
 

@@ -66,8 +66,9 @@ class KimiDeltaAttention(nn.Module):
         # convolution over their channels); at inference the concatenation is kept until a parameter
         # changes (k3.model.derived), under autograd it is rebuilt each call so gradients reach each weight
         out = F.linear(x, self._fused_input(*self._input_weights()))
-        qkv, f_a, beta_raw, g_a = out.split([2 * H * K + H * V, K, H, out.shape[-1] - 2 * H * K - H * V - K - H],
-                                            dim=-1)  # fmt: skip
+        qkv, f_a, beta_raw, g_a = out.split(
+            [2 * H * K + H * V, K, H, out.shape[-1] - 2 * H * K - H * V - K - H], dim=-1
+        )
         gate_out = g_a if hasattr(self, "g_proj") else self.g_b_proj(g_a)
         g_raw = self.f_b_proj(f_a).view(B, T, H, K)
         o = sequence_mixing(cache, self.mix, qkv, g_raw, beta_raw)  # (B, T, H, V)
@@ -91,9 +92,13 @@ class KimiDeltaAttention(nn.Module):
         qkv, tail = causal_conv(qkv, w_conv, cache.conv if cache is not None else None)
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         kw = dict(
-            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-            A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
-        )  # fmt: skip
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            lower_bound=self.lower_bound,
+        )
         q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V)
         if cache is None:
             return chunk_kda(q, k, v, g_raw, beta_raw, **kw)[0]
@@ -101,9 +106,19 @@ class KimiDeltaAttention(nn.Module):
         if T == 1 and not torch.is_grad_enabled():
             # decoding: the recurrent step updates the states where they live, the cache's own tensor or
             # rows of a serving pool (fla's ssm_state_indices), with no gathered copy to write back
-            o = cache.update_state(lambda states, rows: fused_recurrent_kda(
-                q, k, v, g_raw, beta_raw, initial_state=states, ssm_state_indices=rows, inplace_final_state=True,
-                **kw)[0])  # fmt: skip
+            o = cache.update_state(
+                lambda states, rows: fused_recurrent_kda(
+                    q,
+                    k,
+                    v,
+                    g_raw,
+                    beta_raw,
+                    initial_state=states,
+                    ssm_state_indices=rows,
+                    inplace_final_state=True,
+                    **kw,
+                )[0]
+            )
             if o is not None:
                 return o
         # a longer piece (prefill): the chunked form

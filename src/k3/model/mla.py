@@ -98,10 +98,13 @@ class GatedMLA(nn.Module):
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, L, H, self.rope)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=None if mask is None else mask[:, None],
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=None if mask is None else mask[:, None],
             is_causal=mask is None and q.shape[1] > 1,
             scale=self.scale,
-        )  # fmt: skip
+        )
         return o.transpose(1, 2)
 
     def absorbed(self, q_nope, q_pe, c_kv, k_pe, mask: torch.Tensor | None) -> torch.Tensor:

@@ -41,8 +41,13 @@ class DecoderLayer(nn.Module):
         self.activation_checkpointing = False  # K3Model.set_activation_checkpointing
         self.self_attn = GatedMLA(config) if self.kind == "mla" else KimiDeltaAttention(config)
         if config.ffn_types[index] == "dense":
-            self.mlp = GatedMLP(d, config.intermediate_size, config.hidden_act, config.activation_situ_beta,
-                                config.activation_situ_linear_beta)  # fmt: skip
+            self.mlp = GatedMLP(
+                d,
+                config.intermediate_size,
+                config.hidden_act,
+                config.activation_situ_beta,
+                config.activation_situ_linear_beta,
+            )
         else:
             self.block_sparse_moe = LatentMoE(config)
         self.input_layernorm = RMSNorm(d, eps)

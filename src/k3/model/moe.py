@@ -26,8 +26,9 @@ class LatentMoE(nn.Module):
         super().__init__()
         D, L = config.hidden_size, config.routed_expert_hidden_size
         self.act = (config.hidden_act, config.activation_situ_beta, config.activation_situ_linear_beta)
-        self.gate = Router(D, config.num_experts, config.num_experts_per_token, config.moe_renormalize,
-                           config.routed_scaling_factor)  # fmt: skip
+        self.gate = Router(
+            D, config.num_experts, config.num_experts_per_token, config.moe_renormalize, config.routed_scaling_factor
+        )
         self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
         self.experts = nn.ModuleList(Expert(L, config.moe_intermediate_size) for _ in range(config.num_experts))
         self.routed_expert_norm = RMSNorm(L, config.rms_norm_eps) if config.latent_moe_use_norm else nn.Identity()
@@ -79,10 +80,12 @@ class LatentMoE(nn.Module):
         z_AL = x(z_AL)
         z_parts = z_AL.split(sizes)  # split: its backward is one cat
         if len(z_AL) * self.experts[first].w1.out_features > MERGE_ELEMENTS:
-            return torch.cat([
-                F.linear(x(glu(F.linear(z, weight(ex.w1)), F.linear(z, weight(ex.w3)), *self.act)), weight(ex.w2))
-                for (ex, _), z in zip(active, z_parts, strict=True)
-            ])  # fmt: skip
+            return torch.cat(
+                [
+                    F.linear(x(glu(F.linear(z, weight(ex.w1)), F.linear(z, weight(ex.w3)), *self.act)), weight(ex.w2))
+                    for (ex, _), z in zip(active, z_parts, strict=True)
+                ]
+            )
         gate_AI = torch.cat([F.linear(z, weight(ex.w1)) for (ex, _), z in zip(active, z_parts, strict=True)])
         up_AI = torch.cat([F.linear(z, weight(ex.w3)) for (ex, _), z in zip(active, z_parts, strict=True)])
         h_parts = x(glu(gate_AI, up_AI, *self.act)).split(sizes)

@@ -25,9 +25,20 @@ from k3.config import K3Config
 from k3.model.model import K3Model
 
 COMPONENTS = (
-    "embeddings", "lm_head", "kda_attention", "mla_attention", "dense_ffn", "routed_experts",
-    "shared_experts", "latent_projections", "router", "attn_res", "norms", "vision_tower", "mm_projector",
-)  # fmt: skip
+    "embeddings",
+    "lm_head",
+    "kda_attention",
+    "mla_attention",
+    "dense_ffn",
+    "routed_experts",
+    "shared_experts",
+    "latent_projections",
+    "router",
+    "attn_res",
+    "norms",
+    "vision_tower",
+    "mm_projector",
+)
 # The vision encoder and projector run once per image, not per text token: in the total, not in `active`.
 _PER_IMAGE = {"vision_tower", "mm_projector"}
 DEFAULT_CONTEXT = 8192  # the first context stage of pre-training (SPEC §2.9)
@@ -41,14 +52,35 @@ _GLU = r"(gate_proj|up_proj|down_proj)\.weight"
 # output gate (g_a_proj/g_b_proj) and the MLA plain q projection cover the configs' other switches.
 _ATTN_NAMES = {
     "kda": {
-        "q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_a_proj", "f_b_proj", "b_proj",
-        "g_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj", "A_log", "dt_bias",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "q_conv1d",
+        "k_conv1d",
+        "v_conv1d",
+        "f_a_proj",
+        "f_b_proj",
+        "b_proj",
+        "g_proj",
+        "g_a_proj",
+        "g_b_proj",
+        "o_norm",
+        "o_proj",
+        "A_log",
+        "dt_bias",
     },
     "mla": {
-        "q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
-        "g_proj", "o_proj",
+        "q_proj",
+        "q_a_proj",
+        "q_a_layernorm",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_a_layernorm",
+        "kv_b_proj",
+        "g_proj",
+        "o_proj",
     },
-}  # fmt: skip
+}
 # (component, full-match pattern). The patterns are disjoint; classify() checks exactly one matches.
 _RULES = [
     ("embeddings", re.compile(r"model\.embed_tokens\.weight")),
@@ -124,8 +156,9 @@ def count_parameters(config: K3Config) -> dict[str, dict[str, int]]:
     E, k = config.num_experts, config.num_experts_per_token
     moe_layers = {i for i, f in enumerate(config.ffn_types) if f == "moe"}
     if set(routed_by_layer) != moe_layers:
-        raise UnknownParameterError(f"routed experts found in layers {sorted(routed_by_layer)}, MoE layers are "
-                                    f"{sorted(moe_layers)}")  # fmt: skip
+        raise UnknownParameterError(
+            f"routed experts found in layers {sorted(routed_by_layer)}, MoE layers are {sorted(moe_layers)}"
+        )
     for layer, n in routed_by_layer.items():
         if n % E:
             raise UnknownParameterError(f"layer {layer}: {n} routed-expert parameters do not split into {E} experts")
@@ -279,8 +312,10 @@ def format_report(report: dict[str, Any], source: str) -> str:
             f"  MHA cache    {cache['mha_bytes_per_token']:,} bytes/token for the same heads "
             f"({cache['mha_over_mla']:.1f}× the MLA cache)",
         ]
-    lines.append(f"  KDA state    {cache['kda_state_bytes_per_sequence']:,} bytes/sequence ({lay['kda']} layers × "
-                 f"(H·K·V fp32 + conv tails bf16))")  # fmt: skip
+    lines.append(
+        f"  KDA state    {cache['kda_state_bytes_per_sequence']:,} bytes/sequence ({lay['kda']} layers × "
+        f"(H·K·V fp32 + conv tails bf16))"
+    )
     if cache["kda_state_in_mla_tokens"] is not None:
         lines.append(f"               = the MLA cache of {cache['kda_state_in_mla_tokens']:,.0f} tokens")
     lines += [

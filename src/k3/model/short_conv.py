@@ -113,8 +113,10 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None
     """
     B, T, C = x.shape
     if weight.dim() != 3 or weight.shape[:2] != (C, 1):
-        raise ValueError(f"causal_conv: weight must be (C, 1, kernel) = ({C}, 1, w) for x {tuple(x.shape)}, "
-                         f"got {tuple(weight.shape)}")  # fmt: skip
+        raise ValueError(
+            f"causal_conv: weight must be (C, 1, kernel) = ({C}, 1, w) for x {tuple(x.shape)}, "
+            f"got {tuple(weight.shape)}"
+        )
     w = weight.shape[-1]
     if tail is not None and tail.shape != (B, C, w - 1):
         raise ValueError(f"causal_conv: tail must be (B, C, kernel − 1) = ({B}, {C}, {w - 1}), got {tuple(tail.shape)}")

@@ -38,8 +38,10 @@ def image_grid(shape: tuple[int, ...], config: VisionConfig) -> tuple[int, int]:
         raise ValueError(f"an image tensor is (3, H, W) RGB, got shape {tuple(shape)}")
     _, H, W = shape
     if H == 0 or W == 0 or H % (p * mh) or W % (p * mw):
-        raise ValueError(f"image of {H}x{W} pixels: height and width must be positive multiples of "
-                         f"{p * mh} x {p * mw} (patch {p}, merge {mh}x{mw})")  # fmt: skip
+        raise ValueError(
+            f"image of {H}x{W} pixels: height and width must be positive multiples of "
+            f"{p * mh} x {p * mw} (patch {p}, merge {mh}x{mw})"
+        )
     return H // p, W // p
 
 
@@ -70,8 +72,9 @@ def grid_positions(grids: list[tuple[int, int]], device=None) -> tuple[torch.Ten
     return torch.cat(rows), torch.cat(cols)
 
 
-def rope2d_angles(rows: torch.Tensor, cols: torch.Tensor, head_dim: int,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def rope2d_angles(
+    rows: torch.Tensor, cols: torch.Tensor, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of the (N, Dh/2) rotation angles, each (N, 1, Dh/2), computed once for every block: the first
     Dh/4 pairs turn with the row, the last Dh/4 with the column, each at frequencies theta^(-i/(Dh/4))."""
     quarter = head_dim // 4
@@ -232,7 +235,9 @@ def place_image_tokens(
     mask = input_ids == placeholder_id
     n = int(mask.sum())
     if n != image_embeds.shape[0]:
-        raise ValueError(f"{n} image placeholder tokens (id {placeholder_id}) in the input, but "
-                         f"{image_embeds.shape[0]} image embeddings: each image needs as many placeholders as it has "
-                         f"tokens")  # fmt: skip
+        raise ValueError(
+            f"{n} image placeholder tokens (id {placeholder_id}) in the input, but "
+            f"{image_embeds.shape[0]} image embeddings: each image needs as many placeholders as it has "
+            f"tokens"
+        )
     return x.masked_scatter(mask[..., None], image_embeds.to(x.dtype))

@@ -76,8 +76,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     """logits (N, vocab) float, targets (N,) int64 in [0, vocab) or ignore_index -> the mean loss, a 0-dim tensor
     (nan when every target is ignored, with a zero gradient, as F.cross_entropy)."""
     if logits.ndim != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"cross_entropy takes logits (N, vocab) and targets (N,); got {tuple(logits.shape)} "
-                         f"and {tuple(targets.shape)}")  # fmt: skip
+        raise ValueError(
+            f"cross_entropy takes logits (N, vocab) and targets (N,); got {tuple(logits.shape)} "
+            f"and {tuple(targets.shape)}"
+        )
     return _CrossEntropy.apply(logits, targets, ignore_index)
 
 

@@ -109,8 +109,10 @@ def _check_float(x: torch.Tensor, what: str) -> None:
 
 def _check_blocks(n: int, what: str) -> None:
     if n == 0 or n % BLOCK_SIZE:
-        raise ValueError(f"{what}: the last dimension ({n}) must be a positive multiple of the MX block size "
-                         f"{BLOCK_SIZE}; pad the reduction dimension or leave this tensor unquantised")  # fmt: skip
+        raise ValueError(
+            f"{what}: the last dimension ({n}) must be a positive multiple of the MX block size "
+            f"{BLOCK_SIZE}; pad the reduction dimension or leave this tensor unquantised"
+        )
 
 
 def encode_elements(v: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
@@ -159,8 +161,10 @@ def dequantize_mx(
         raise TypeError(f"dequantize to float16, bfloat16, float32 or float64, not {dtype}")
     _check_blocks(codes.shape[-1] if codes.dim() else 0, f"MX codes of shape {list(codes.shape)}")
     if scales.shape != (*codes.shape[:-1], codes.shape[-1] // BLOCK_SIZE):
-        raise ValueError(f"MX scales of shape {list(scales.shape)} do not match codes of shape "
-                         f"{list(codes.shape)}: expected one scale per {BLOCK_SIZE} codes")  # fmt: skip
+        raise ValueError(
+            f"MX scales of shape {list(scales.shape)} do not match codes of shape "
+            f"{list(codes.shape)}: expected one scale per {BLOCK_SIZE} codes"
+        )
     if fmt.bits < 8 and bool((codes >> fmt.bits).any()):
         raise ValueError(f"{fmt.name} codes are {fmt.bits}-bit: a byte above {(1 << fmt.bits) - 1} is not a code")
     compute = torch.float64 if dtype == torch.float64 else torch.float32
@@ -190,16 +194,21 @@ def pack_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def check_packed_mxfp4(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> None:
     """Raise TypeError/ValueError unless the two tensors are a well-formed (out, in/2) + (out, in/32) pair."""
     if weight_packed.dtype != torch.uint8 or weight_scale.dtype != torch.uint8:
-        raise TypeError(f"weight_packed and weight_scale must be uint8, got {weight_packed.dtype} and "
-                        f"{weight_scale.dtype}")  # fmt: skip
+        raise TypeError(
+            f"weight_packed and weight_scale must be uint8, got {weight_packed.dtype} and {weight_scale.dtype}"
+        )
     if weight_packed.dim() != 2 or weight_scale.dim() != 2:
-        raise ValueError(f"weight_packed and weight_scale must be 2-D, got shapes {list(weight_packed.shape)} "
-                         f"and {list(weight_scale.shape)}")  # fmt: skip
+        raise ValueError(
+            f"weight_packed and weight_scale must be 2-D, got shapes {list(weight_packed.shape)} "
+            f"and {list(weight_scale.shape)}"
+        )
     out, half = weight_packed.shape
     if half % (BLOCK_SIZE // 2) or weight_scale.shape != (out, 2 * half // BLOCK_SIZE):
-        raise ValueError(f"weight_packed {list(weight_packed.shape)} holds a weight of shape [{out}, {2 * half}], "
-                         f"which needs in-features a multiple of {BLOCK_SIZE} and weight_scale of shape "
-                         f"[{out}, {2 * half // BLOCK_SIZE}], got {list(weight_scale.shape)}")  # fmt: skip
+        raise ValueError(
+            f"weight_packed {list(weight_packed.shape)} holds a weight of shape [{out}, {2 * half}], "
+            f"which needs in-features a multiple of {BLOCK_SIZE} and weight_scale of shape "
+            f"[{out}, {2 * half // BLOCK_SIZE}], got {list(weight_scale.shape)}"
+        )
 
 
 def unpack_mxfp4(

@@ -35,8 +35,13 @@ class MXFP4Linear(nn.Module):
         self.register_buffer("dequant_like", torch.empty(0, dtype=dtype, device=weight_packed.device), persistent=False)
 
     @classmethod
-    def empty(cls, out_features: int, in_features: int, dtype: torch.dtype = torch.float32,
-              device: str | torch.device | None = None) -> "MXFP4Linear":  # fmt: skip
+    def empty(
+        cls,
+        out_features: int,
+        in_features: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+    ) -> "MXFP4Linear":
         """Uninitialised buffers for an (out_features, in_features) weight, for a loader to fill."""
         packed = torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device)
         scale = torch.empty(out_features, in_features // BLOCK_SIZE, dtype=torch.uint8, device=device)

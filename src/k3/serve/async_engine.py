@@ -349,7 +349,16 @@ class AsyncEngine:
                 self._engine.abort(request_id, FinishReason(reason))
         finally:  # the handle ends even if the abort raised: its reader must not wait forever
             if handle is not None:
-                handle._put(RequestOutput(
-                    request_id, "", [], True, reason, seq.num_prompt_tokens if seq else 0,
-                    seq.num_output_tokens if seq else 0, seq.num_cached_tokens if seq else 0, error,
-                ))  # fmt: skip
+                handle._put(
+                    RequestOutput(
+                        request_id,
+                        "",
+                        [],
+                        True,
+                        reason,
+                        seq.num_prompt_tokens if seq else 0,
+                        seq.num_output_tokens if seq else 0,
+                        seq.num_cached_tokens if seq else 0,
+                        error,
+                    )
+                )

@@ -124,8 +124,9 @@ class LLMEngine:
         pool_tokens = room * self.layout.page_tokens if self.layout.n_mla else (self.max_model_len if room else 0)
         return max(0, min(self.max_model_len, pool_tokens))
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:  # fmt: skip
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(
@@ -203,8 +204,11 @@ class LLMEngine:
         outputs = self._postprocess(plan, out.logits, new_tokens, rows, failed)
         if self.proposer is not None:
             # the big model's features where each request's newest token came from
-            ready = [(p.seq, r[len(t) - 1]) for p, t, r in zip(plan.sampled, new_tokens, rows, strict=True)
-                     if not p.seq.is_finished and p.seq.remaining_prefill == 1]  # fmt: skip
+            ready = [
+                (p.seq, r[len(t) - 1])
+                for p, t, r in zip(plan.sampled, new_tokens, rows, strict=True)
+                if not p.seq.is_finished and p.seq.remaining_prefill == 1
+            ]
             limit = self.config.spec_max_batch
             if limit is not None and len(self.scheduler.running) > limit:
                 for seq, _ in ready:
@@ -273,8 +277,9 @@ class LLMEngine:
             failed[index] = exc
             return None
 
-    def _postprocess(self, plan: StepPlan, logits: torch.Tensor, new_tokens: list[list[int]],
-                     rows: list[list[int]], failed: dict) -> list[RequestOutput]:  # fmt: skip
+    def _postprocess(
+        self, plan: StepPlan, logits: torch.Tensor, new_tokens: list[list[int]], rows: list[list[int]], failed: dict
+    ) -> list[RequestOutput]:
         """Append each sampled piece's new tokens (a proposal row's until one ends the request), stream their
         text, finish and drop what is done. A request whose sampling, log-probabilities or detokenisation
         raised ends with finish_reason "error" (its pages freed); the others are unaffected."""
@@ -287,16 +292,16 @@ class LLMEngine:
                     raise failed[i]
                 if seq.params.logprobs is not None:
                     n = len(tokens)
-                    logprobs = token_logprobs(logits[at[:n]], torch.tensor(tokens, device=logits.device),
-                                              [seq.params] * n)  # fmt: skip
+                    logprobs = token_logprobs(
+                        logits[at[:n]], torch.tensor(tokens, device=logits.device), [seq.params] * n
+                    )
                 for token in tokens:
                     text.append(seq.append_output(token, self.eos_id))
                     appended.append(token)
                     if seq.is_finished:
                         break
             except Exception as exc:
-                log.exception("k3 engine: request %s failed after the forward; the step's others go on",
-                              seq.request_id)  # fmt: skip
+                log.exception("k3 engine: request %s failed after the forward; the step's others go on", seq.request_id)
                 seq.error = f"{type(exc).__name__}: {exc}"
                 seq.finish(FinishReason.ERROR)
             if seq.finish_reason == FinishReason.ERROR:
@@ -305,12 +310,20 @@ class LLMEngine:
                 self.scheduler.finish(seq)
             if seq.is_finished:
                 del self.seqs[seq.request_id]
-            outputs.append(RequestOutput(
-                seq.request_id, "".join(text), appended, seq.is_finished,
-                seq.finish_reason.value if seq.finish_reason else None, seq.num_prompt_tokens,
-                seq.num_output_tokens, seq.num_cached_tokens, error=seq.error,
-                logprobs=None if logprobs is None else logprobs[: len(appended)],
-            ))  # fmt: skip
+            outputs.append(
+                RequestOutput(
+                    seq.request_id,
+                    "".join(text),
+                    appended,
+                    seq.is_finished,
+                    seq.finish_reason.value if seq.finish_reason else None,
+                    seq.num_prompt_tokens,
+                    seq.num_output_tokens,
+                    seq.num_cached_tokens,
+                    error=seq.error,
+                    logprobs=None if logprobs is None else logprobs[: len(appended)],
+                )
+            )
         return outputs
 
     def metrics(self) -> dict:

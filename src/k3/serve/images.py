@@ -84,8 +84,10 @@ class ImageStore:
                 if t >= self.vocab_size:
                     key, k = divmod(t - self.vocab_size, MAX_IMAGE_TOKENS)
                     if key not in self._embeds or k >= self._embeds[key].shape[0]:
-                        raise ValueError(f"token id {t} is outside the vocabulary ({self.vocab_size}) and names no "
-                                         f"stored image (ImageStore.add gives an image's ids)")  # fmt: skip
+                        raise ValueError(
+                            f"token id {t} is outside the vocabulary ({self.vocab_size}) and names no "
+                            f"stored image (ImageStore.add gives an image's ids)"
+                        )
 
     def resolve(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """token_ids (B, T) -> (the same with every image token id made the placeholder id, their embedding
@@ -100,7 +102,9 @@ class ImageStore:
                 key, k = divmod(offset, MAX_IMAGE_TOKENS)
                 embeds = self._embeds.get(key)
                 if embeds is None or k >= embeds.shape[0]:
-                    raise ValueError(f"image token id {self.vocab_size + offset} names no stored image: it was "
-                                     f"dropped (more than {self.capacity} newer images) or never added")  # fmt: skip
+                    raise ValueError(
+                        f"image token id {self.vocab_size + offset} names no stored image: it was "
+                        f"dropped (more than {self.capacity} newer images) or never added"
+                    )
                 rows.append(embeds[k])
         return token_ids.masked_fill(mask, self.placeholder_id), torch.stack(rows)

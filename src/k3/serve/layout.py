@@ -57,9 +57,16 @@ class PageLayout:
         else:
             P, page_elems = 0, -(-kda_elems // ratio) * ratio
         return cls(
-            page_elems=page_elems, n_kda=len(config.layer_types) - n_mla, n_mla=n_mla, kda_heads=H,
-            kda_head_dim=K, conv_width=width, latent_dim=latent_dim, page_tokens=P, dtype=dtype,
-        )  # fmt: skip
+            page_elems=page_elems,
+            n_kda=len(config.layer_types) - n_mla,
+            n_mla=n_mla,
+            kda_heads=H,
+            kda_head_dim=K,
+            conv_width=width,
+            latent_dim=latent_dim,
+            page_tokens=P,
+            dtype=dtype,
+        )
 
     @property
     def state_dtype(self) -> torch.dtype:

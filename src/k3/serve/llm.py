@@ -51,12 +51,23 @@ class LLM:
     request and stopped by close(), at `with LLM(...) as llm:`'s end, or when the LLM is garbage-collected.
     """
 
-    def __init__(self, model: str | Path | None = None, memory_budget: int | None = None,
-                 num_pages: int | None = None, enable_prefix_caching: bool = True, device: str = "cpu",
-                 text_only: bool = False, dtype: torch.dtype = torch.float32, quantization: str | None = None,
-                 ckpt: str | Path | None = None, max_model_len: int | None = None,
-                 speculative_model: str | Path | None = None, num_speculative_tokens: int | None = None,
-                 spec_max_batch: int | None = None, **scheduler_kwargs):  # fmt: skip
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        memory_budget: int | None = None,
+        num_pages: int | None = None,
+        enable_prefix_caching: bool = True,
+        device: str = "cpu",
+        text_only: bool = False,
+        dtype: torch.dtype = torch.float32,
+        quantization: str | None = None,
+        ckpt: str | Path | None = None,
+        max_model_len: int | None = None,
+        speculative_model: str | Path | None = None,
+        num_speculative_tokens: int | None = None,
+        spec_max_batch: int | None = None,
+        **scheduler_kwargs,
+    ):
         from k3.hub import load_for_inference
         from k3.hub.load import check_quantization
         from k3.spec.folder import load_draft, read_meta
@@ -68,12 +79,18 @@ class LLM:
             read_meta(speculative_model)  # a missing or corrupt draft folder is reported before the load too
         if memory_budget is None and num_pages is None:
             memory_budget = 256 << 20
-        config = EngineConfig(memory_budget=memory_budget, num_pages=num_pages,
-                              enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-                              num_speculative_tokens=num_speculative_tokens, spec_max_batch=spec_max_batch,
-                              scheduler=SchedulerConfig(**scheduler_kwargs))  # fmt: skip
-        weights, self.tokenizer = load_for_inference(model if ckpt is None else ckpt, device=device, dtype=dtype,
-                                                     text_only=text_only, quantization=quantization)  # fmt: skip
+        config = EngineConfig(
+            memory_budget=memory_budget,
+            num_pages=num_pages,
+            enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len,
+            num_speculative_tokens=num_speculative_tokens,
+            spec_max_batch=spec_max_batch,
+            scheduler=SchedulerConfig(**scheduler_kwargs),
+        )
+        weights, self.tokenizer = load_for_inference(
+            model if ckpt is None else ckpt, device=device, dtype=dtype, text_only=text_only, quantization=quantization
+        )
         draft = load_draft(speculative_model, weights) if speculative_model is not None else None
         self.engine = LLMEngine(weights, self.tokenizer, config, draft=draft)
         self.async_engine = AsyncEngine(self.engine)
@@ -90,8 +107,9 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:  # fmt: skip
+    def generate(
+        self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Completion]:
         """Run every prompt to completion, batched by the engine; results in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -119,8 +137,16 @@ class LLM:
                 logprobs.extend(out.logprobs)
         if out.finish_reason == "error":
             raise RuntimeError(f"request {handle.request_id} failed in the engine: {out.error}")
-        return Completion(handle.request_id, prompt, "".join(text), tokens, out.finish_reason,
-                          out.num_prompt_tokens, out.num_cached_tokens, logprobs)  # fmt: skip
+        return Completion(
+            handle.request_id,
+            prompt,
+            "".join(text),
+            tokens,
+            out.finish_reason,
+            out.num_prompt_tokens,
+            out.num_cached_tokens,
+            logprobs,
+        )
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one request as it is generated. Other requests (other streams, generate calls)

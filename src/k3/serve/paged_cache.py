@@ -31,8 +31,15 @@ Piece = PrefillPiece | DecodeRow | ProposalRow
 class PagedMLALatents:
     """MLALayerCache's interface for one MLA layer of B sequences with their own lengths and page tables."""
 
-    def __init__(self, pool: PagePool, mla_index: int, tables: torch.Tensor, past: torch.Tensor, rank: int,
-                 first_page: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        pool: PagePool,
+        mla_index: int,
+        tables: torch.Tensor,
+        past: torch.Tensor,
+        rank: int,
+        first_page: int | None = None,
+    ):
         self.pool, self.mla_index, self.rank = pool, mla_index, rank
         self.tables = tables  # (B, pages) page ids, padded with page 0 past a sequence's own pages
         self.past = past  # (B,) tokens already cached per sequence
@@ -132,8 +139,11 @@ class PackedBatch:
         self.token_ids = torch.tensor([[t for i in order for t in pieces[i].token_ids]], device=device)
         # where each piece's last token lands in the packed row
         last = {i: n - 1 for i, n in zip(order, accumulate(pieces[i].num_tokens for i in order), strict=True)}
-        self.logits_at = torch.tensor([last[i] - p.num_logits + 1 + j for i, p in enumerate(pieces) if p.sample
-                                       for j in range(p.num_logits)], device=device, dtype=torch.long)  # fmt: skip
+        self.logits_at = torch.tensor(
+            [last[i] - p.num_logits + 1 + j for i, p in enumerate(pieces) if p.sample for j in range(p.num_logits)],
+            device=device,
+            dtype=torch.long,
+        )
         self.rollback_states: list[PagedKDAState] = []  # the KDA states of proposal rows, every layer
         self.layers = self._layers(config, groups, device)
 
@@ -152,19 +162,29 @@ class PackedBatch:
             one_run = len(group) == 1 and pages and pages == tuple(range(pages[0], pages[0] + len(pages)))
             filled = [(i, p.checkpoint_pages) for i, p in enumerate(group) if p.checkpoint_pages is not None]
             end = pos + len(group) * group[0].num_tokens
-            per_group.append(dict(
-                range=(pos, end, len(group)),
-                proposal_seqs=[p.seq for p in group] if isinstance(group[0], ProposalRow) else None,
-                kda_rows=torch.tensor([p.state_pages for p in group], device=device).t(),  # (n_kda, rows)
-                kda_progressions=[_progression([p.state_pages[j] for p in group])
-                                  for j in range(len(group[0].state_pages))],
-                # rows within the group, and their (n_kda, ·) checkpoint pages
-                checkpoint=(torch.tensor([i for i, _ in filled], device=device),
-                            torch.tensor([pages for _, pages in filled], device=device).t()) if filled else None,
-                mla=dict(tables=torch.tensor(tables, device=device), rank=config.kv_lora_rank,
-                         past=torch.tensor([p.start for p in group], device=device),
-                         first_page=pages[0] if one_run else None),
-            ))  # fmt: skip
+            per_group.append(
+                dict(
+                    range=(pos, end, len(group)),
+                    proposal_seqs=[p.seq for p in group] if isinstance(group[0], ProposalRow) else None,
+                    kda_rows=torch.tensor([p.state_pages for p in group], device=device).t(),  # (n_kda, rows)
+                    kda_progressions=[
+                        _progression([p.state_pages[j] for p in group]) for j in range(len(group[0].state_pages))
+                    ],
+                    # rows within the group, and their (n_kda, ·) checkpoint pages
+                    checkpoint=(
+                        torch.tensor([i for i, _ in filled], device=device),
+                        torch.tensor([pages for _, pages in filled], device=device).t(),
+                    )
+                    if filled
+                    else None,
+                    mla=dict(
+                        tables=torch.tensor(tables, device=device),
+                        rank=config.kv_lora_rank,
+                        past=torch.tensor([p.start for p in group], device=device),
+                        first_page=pages[0] if one_run else None,
+                    ),
+                )
+            )
             pos = end
         layers, kda, mla = [], 0, 0
         for kind in config.layer_types:

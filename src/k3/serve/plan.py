@@ -102,16 +102,23 @@ class ProposalRow:
         return self.start + len(self.token_ids)
 
 
-def prefill_piece(seq: Sequence, start: int, end: int, phase: int = 0,
-                  checkpoint_pages: list[int] | None = None) -> PrefillPiece:  # fmt: skip
+def prefill_piece(
+    seq: Sequence, start: int, end: int, phase: int = 0, checkpoint_pages: list[int] | None = None
+) -> PrefillPiece:
     """The piece computing seq's tokens start … end − 1 from its current page tables; sampled when it
     ends at seq's last token."""
     if not 0 <= start < end <= seq.num_tokens:
         raise ValueError(f"a piece needs 0 <= start < end <= {seq.num_tokens} tokens of {seq!r}, got {start}, {end}")
     return PrefillPiece(
-        seq, start, tuple(seq.token_ids(start, end)), tuple(seq.latent_pages), tuple(seq.state_pages), phase,
-        tuple(checkpoint_pages) if checkpoint_pages is not None else None, sample=end == seq.num_tokens,
-    )  # fmt: skip
+        seq,
+        start,
+        tuple(seq.token_ids(start, end)),
+        tuple(seq.latent_pages),
+        tuple(seq.state_pages),
+        phase,
+        tuple(checkpoint_pages) if checkpoint_pages is not None else None,
+        sample=end == seq.num_tokens,
+    )
 
 
 def decode_row(seq: Sequence, num_proposals: int = 0) -> DecodeRow | ProposalRow:

@@ -188,8 +188,9 @@ def sample(
     return tokens_B
 
 
-def request_probs(logits_SV: torch.Tensor, params_S: list[SamplingParams],
-                  dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+def request_probs(
+    logits_SV: torch.Tensor, params_S: list[SamplingParams], dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """(S, V) logits, one SamplingParams per row -> (S, V) the distributions those rows sample from:
     temperature, then top-k, then top-p (the one rule of sampling, speculative decoding's draft and
     verification included), in `dtype` (default: the logits' dtype, at least fp32)."""
@@ -217,8 +218,9 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
-def token_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor, params: Sequence[SamplingParams]
-                   ) -> list[TokenLogprob | None]:  # fmt: skip
+def token_logprobs(
+    logits_BV: torch.Tensor, tokens_B: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[TokenLogprob | None]:
     """The log-probabilities of each row's sampled token and its top-N, for the rows whose params ask for
     them (None for the others, which cost nothing). log_softmax in fp32 (fp64 for an fp64 model) over the
     raw logits; only the L asking rows' chosen and top-N values reach the host."""

@@ -82,8 +82,9 @@ def engine_capacity(engine) -> Capacity | None:
     return Capacity(inner.max_request_tokens, waiting, config.max_waiting_tokens)
 
 
-def create_app(engine, model_name: str, limits: ServerLimits, api_key: str | None = None,
-               state: ServerState | None = None) -> FastAPI:  # fmt: skip
+def create_app(
+    engine, model_name: str, limits: ServerLimits, api_key: str | None = None, state: ServerState | None = None
+) -> FastAPI:
     """The ASGI app over a started AsyncEngine. The caller owns the engine (starts and shuts it down) and
     sets `state.draining` when shutdown begins."""
     try:
@@ -179,8 +180,13 @@ def _routes(app: FastAPI, srv: Server) -> None:
 
     @app.get("/v1/models", responses=MODELS)
     async def models() -> dict:
-        card = {"id": srv.model_name, "object": "model", "created": 0, "owned_by": "k3",
-                "max_model_len": srv.limits.max_model_len}  # fmt: skip
+        card = {
+            "id": srv.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "k3",
+            "max_model_len": srv.limits.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", responses={**COMPLETIONS, **POST_ERRORS})
@@ -200,8 +206,13 @@ def _routes(app: FastAPI, srv: Server) -> None:
             return logprobs[i].take() if i in logprobs else None
 
         def chunk(choices: list[dict], usage: dict | None = None) -> dict:
-            out = {"id": run.id, "object": "text_completion", "created": run.created, "model": srv.model_name,
-                   "choices": choices}  # fmt: skip
+            out = {
+                "id": run.id,
+                "object": "text_completion",
+                "created": run.created,
+                "model": srv.model_name,
+                "choices": choices,
+            }
             if include_usage:
                 out["usage"] = usage
             return out
@@ -213,8 +224,18 @@ def _routes(app: FastAPI, srv: Server) -> None:
                     add_logprobs(i, out)
                     if out.new_text or out.finished:
                         reason = out.finish_reason if out.finished else None
-                        yield sse_event(chunk([{"index": i, "text": out.new_text, "logprobs": take_logprobs(i),
-                                                "finish_reason": reason}]))  # fmt: skip
+                        yield sse_event(
+                            chunk(
+                                [
+                                    {
+                                        "index": i,
+                                        "text": out.new_text,
+                                        "logprobs": take_logprobs(i),
+                                        "finish_reason": reason,
+                                    }
+                                ]
+                            )
+                        )
                 if include_usage:
                     yield sse_event(chunk([], run.usage()))
 
@@ -224,10 +245,23 @@ def _routes(app: FastAPI, srv: Server) -> None:
             async for i, out in run.outputs():
                 add_logprobs(i, out)
                 texts[i].append(out.new_text)
-        choices = [{"index": i, "text": "".join(texts[i]), "logprobs": take_logprobs(i),
-                    "finish_reason": run.choices[i].finish_reason} for i in sorted(texts)]  # fmt: skip
-        return {"id": run.id, "object": "text_completion", "created": run.created, "model": srv.model_name,
-                "choices": choices, "usage": run.usage()}  # fmt: skip
+        choices = [
+            {
+                "index": i,
+                "text": "".join(texts[i]),
+                "logprobs": take_logprobs(i),
+                "finish_reason": run.choices[i].finish_reason,
+            }
+            for i in sorted(texts)
+        ]
+        return {
+            "id": run.id,
+            "object": "text_completion",
+            "created": run.created,
+            "model": srv.model_name,
+            "choices": choices,
+            "usage": run.usage(),
+        }
 
     @app.post("/v1/chat/completions", responses={**CHAT, **POST_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -266,8 +300,12 @@ def _routes(app: FastAPI, srv: Server) -> None:
             raise APIError(400, str(e), param=_chat_param(str(e))) from None
         ids = rendered.ids
         if max(ids, default=0) >= srv.vocab_size:
-            raise APIError(400, f"the chat tokens' ids reach {max(ids)}; the model has {srv.vocab_size} tokens",
-                           param="messages", code="no_chat_format")  # fmt: skip
+            raise APIError(
+                400,
+                f"the chat tokens' ids reach {max(ids)}; the model has {srv.vocab_size} tokens",
+                param="messages",
+                code="no_chat_format",
+            )
         if images:  # the tower runs off the event loop; k3.server.images
             spans = await asyncio.to_thread(image_spans, srv.engine.engine.images, srv.tokenizer, images)
             ids = splice_images(srv.chat, rendered.segments, spans, sentinel)
@@ -303,8 +341,13 @@ def _routes(app: FastAPI, srv: Server) -> None:
             return delta.to_openai(), choice.finish_reason(out.finish_reason) if choice.done else None
 
         def chunk(choices: list[dict], usage: dict | None = None) -> dict:
-            out = {"id": run.id, "object": "chat.completion.chunk", "created": run.created,
-                   "model": srv.model_name, "choices": choices}  # fmt: skip
+            out = {
+                "id": run.id,
+                "object": "chat.completion.chunk",
+                "created": run.created,
+                "model": srv.model_name,
+                "choices": choices,
+            }
             if include_usage:
                 out["usage"] = usage
             return out
@@ -313,13 +356,22 @@ def _routes(app: FastAPI, srv: Server) -> None:
 
             async def events():
                 first = {"role": "assistant", "content": ""}
-                yield sse_event(chunk([{"index": j, "delta": first, "logprobs": None, "finish_reason": None}
-                                       for j in sorted(run.choices)]))  # fmt: skip
+                yield sse_event(
+                    chunk(
+                        [
+                            {"index": j, "delta": first, "logprobs": None, "finish_reason": None}
+                            for j in sorted(run.choices)
+                        ]
+                    )
+                )
                 async for j, out in run.outputs():
                     step = advance(j, out)
                     if step is not None and (step[0] or step[1]):
-                        yield sse_event(chunk([{"index": j, "delta": step[0], "logprobs": take_logprobs(j),
-                                                "finish_reason": step[1]}]))  # fmt: skip
+                        yield sse_event(
+                            chunk(
+                                [{"index": j, "delta": step[0], "logprobs": take_logprobs(j), "finish_reason": step[1]}]
+                            )
+                        )
                 if include_usage:
                     yield sse_event(chunk([], run.usage()))
 
@@ -327,8 +379,20 @@ def _routes(app: FastAPI, srv: Server) -> None:
         async with _cancel_on_disconnect(request, run):
             async for j, out in run.outputs():
                 advance(j, out)
-        choices = [{"index": j, "message": parsed[j].message(), "logprobs": take_logprobs(j),
-                    "finish_reason": parsed[j].finish_reason(run.choices[j].finish_reason)}
-                   for j in sorted(run.choices)]  # fmt: skip
-        return {"id": run.id, "object": "chat.completion", "created": run.created, "model": srv.model_name,
-                "choices": choices, "usage": run.usage()}  # fmt: skip
+        choices = [
+            {
+                "index": j,
+                "message": parsed[j].message(),
+                "logprobs": take_logprobs(j),
+                "finish_reason": parsed[j].finish_reason(run.choices[j].finish_reason),
+            }
+            for j in sorted(run.choices)
+        ]
+        return {
+            "id": run.id,
+            "object": "chat.completion",
+            "created": run.created,
+            "model": srv.model_name,
+            "choices": choices,
+            "usage": run.usage(),
+        }

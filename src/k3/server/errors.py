@@ -29,8 +29,14 @@ _TYPES = {
 class APIError(Exception):
     """A request the server answers with an error status; `param` names the offending field when there is one."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
@@ -40,16 +46,21 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def overloaded(retry_after_s: float, message: str) -> APIError:
     """429 with Retry-After in whole seconds (HTTP's unit), at least 1."""
     seconds = max(1, math.ceil(retry_after_s))
-    return APIError(429, f"the server is busy: {message}; retry after {seconds} s", code="overloaded",
-                    headers={"Retry-After": str(seconds)})  # fmt: skip
+    return APIError(
+        429,
+        f"the server is busy: {message}; retry after {seconds} s",
+        code="overloaded",
+        headers={"Retry-After": str(seconds)},
+    )
 
 
 _UNION_MEMBER = re.compile(r"(str|int|float|bool|none|[\w-]+\[.*\])")

@@ -24,8 +24,9 @@ def decode_data_url(url: str, param: str) -> bytes:
     m = _DATA_URL.fullmatch(url)
     if m is None:
         what = "an http(s) URL: k3 serve fetches nothing" if url.startswith(("http:", "https:")) else "not one"
-        raise APIError(400, f"{param}: an image must be a base64 data URL (data:image/png;base64,...); this is "
-                            f"{what}", param=param)  # fmt: skip
+        raise APIError(
+            400, f"{param}: an image must be a base64 data URL (data:image/png;base64,...); this is {what}", param=param
+        )
     try:
         return base64.b64decode(m["data"], validate=True)
     except (binascii.Error, ValueError) as e:
@@ -44,8 +45,9 @@ def take_images(messages: list[dict]) -> tuple[list[dict], list[tuple[str, bytes
             out.append(m)
             continue
         if m.get("role") != "user":
-            raise APIError(400, f"messages[{i}]: images go in user messages, not {m.get('role')}",
-                           param=f"messages[{i}].content")  # fmt: skip
+            raise APIError(
+                400, f"messages[{i}]: images go in user messages, not {m.get('role')}", param=f"messages[{i}].content"
+            )
         parts = []
         for j, part in enumerate(content):
             if part.get("type") != "image_url":

@@ -111,9 +111,15 @@ def bind(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server using it?)") from None
 
 
-def build_engine(model: str | Path, memory_budget: int | None, num_pages: int | None, device: str = "cpu",
-                 quantization: str | None = None, max_num_seqs: int | None = None,
-                 speculative_model: str | Path | None = None):  # fmt: skip
+def build_engine(
+    model: str | Path,
+    memory_budget: int | None,
+    num_pages: int | None,
+    device: str = "cpu",
+    quantization: str | None = None,
+    max_num_seqs: int | None = None,
+    speculative_model: str | Path | None = None,
+):
     """(AsyncEngine started, the model's context) for a model, run or step folder; speculative_model: a
     draft folder from `k3 train-draft` (docs/speculative.md)."""
     from k3.hub import load_for_inference
@@ -135,19 +141,33 @@ def build_engine(model: str | Path, memory_budget: int | None, num_pages: int | 
     return engine, weights.config.max_position_embeddings
 
 
-def serve(model: str | Path, host: str, port: int, *, max_model_len: int | None = None, limits: dict | None = None,
-          api_key: str | None = None,
-          model_name: str | None = None, memory_budget: int | None = None, num_pages: int | None = None,
-          device: str = "cpu", quantization: str | None = None, max_num_seqs: int | None = None,
-          log_level: str = "info", ready=None, speculative_model: str | Path | None = None) -> int:  # fmt: skip
+def serve(
+    model: str | Path,
+    host: str,
+    port: int,
+    *,
+    max_model_len: int | None = None,
+    limits: dict | None = None,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    memory_budget: int | None = None,
+    num_pages: int | None = None,
+    device: str = "cpu",
+    quantization: str | None = None,
+    max_num_seqs: int | None = None,
+    log_level: str = "info",
+    ready=None,
+    speculative_model: str | Path | None = None,
+) -> int:
     """Serve until a shutdown signal; 0 after a drained shutdown, 128 + the signal after a forced one.
     max_model_len may only lower the model's context; `limits` holds ServerLimits' other fields.
     `ready(engine)`, if given, is called once serving starts."""
     ServerLimits(max_model_len=max_model_len or 1, **(limits or {}))  # bad flags are errors before the load
     sock = bind(host, port)
     with sock:
-        engine, context = build_engine(model, memory_budget, num_pages, device, quantization, max_num_seqs,
-                                       speculative_model)  # fmt: skip
+        engine, context = build_engine(
+            model, memory_budget, num_pages, device, quantization, max_num_seqs, speculative_model
+        )
         try:
             if max_model_len is not None and not 1 <= max_model_len <= context:
                 raise ValueError(f"--max-model-len {max_model_len}: must be in 1..{context:,} (the model's context)")
@@ -157,8 +177,10 @@ def serve(model: str | Path, host: str, port: int, *, max_model_len: int | None 
             app = create_app(engine, name, limits, api_key=api_key, state=state)
             config = uvicorn.Config(app, log_level=log_level, **uvicorn_options(limits))
             bound = sock.getsockname()
-            print(f"k3 serve: {name} on http://{bound[0]}:{bound[1]}/v1 ({engine.engine.describe().splitlines()[0]})",
-                  flush=True)  # fmt: skip
+            print(
+                f"k3 serve: {name} on http://{bound[0]}:{bound[1]}/v1 ({engine.engine.describe().splitlines()[0]})",
+                flush=True,
+            )
             if ready is not None:
                 ready(engine)
             server = DrainingServer(config, state, engine, limits.drain_timeout_s)

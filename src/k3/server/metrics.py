@@ -50,10 +50,15 @@ class ServerMetrics:
         self.generation_tokens = Counter("k3_generation_tokens", "tokens generated", registry=r)
         self.requests = Counter("k3_requests_finished", "requests finished, by reason", ["finish_reason"], registry=r)
         self.rejections = Counter("k3_requests_rejected", "requests refused, by HTTP status", ["status"], registry=r)
-        self.ttft = Histogram("k3_time_to_first_token_seconds", "submit to first streamed token",
-                              buckets=TTFT_BUCKETS_S, registry=r)  # fmt: skip
-        self.itl = Histogram("k3_inter_token_latency_seconds", "gap between a request's consecutive outputs",
-                             buckets=ITL_BUCKETS_S, registry=r)  # fmt: skip
+        self.ttft = Histogram(
+            "k3_time_to_first_token_seconds", "submit to first streamed token", buckets=TTFT_BUCKETS_S, registry=r
+        )
+        self.itl = Histogram(
+            "k3_inter_token_latency_seconds",
+            "gap between a request's consecutive outputs",
+            buckets=ITL_BUCKETS_S,
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

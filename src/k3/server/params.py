@@ -26,8 +26,12 @@ def _unsupported(param: str, why: str) -> APIError:
 
 def check_common(body: CompletionRequest | ChatCompletionRequest, model_name: str, limits: ServerLimits) -> None:
     if body.model != model_name:
-        raise APIError(400, f"model {body.model!r} is not served here; this server serves {model_name!r} "
-                       "(GET /v1/models)", param="model", code="model_not_found")  # fmt: skip
+        raise APIError(
+            400,
+            f"model {body.model!r} is not served here; this server serves {model_name!r} (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
     if body.n > limits.max_n:
         raise APIError(400, f"n={body.n} exceeds the server's limit of {limits.max_n} choices (--max-n)", param="n")
     for param in ("presence_penalty", "frequency_penalty"):
@@ -157,8 +161,9 @@ def completion_prompts(body: CompletionRequest, encode, vocab_size: int, limits:
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt")
     if len(prompts) > limits.max_prompts:
-        raise APIError(400, f"{len(prompts)} prompts in one request; at most {limits.max_prompts} (--max-prompts)",
-                       param="prompt")  # fmt: skip
+        raise APIError(
+            400, f"{len(prompts)} prompts in one request; at most {limits.max_prompts} (--max-prompts)", param="prompt"
+        )
     out = []
     for i, prompt in enumerate(prompts):
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -168,8 +173,9 @@ def completion_prompts(body: CompletionRequest, encode, vocab_size: int, limits:
         if not ids:
             raise APIError(400, f"{where} is empty", param="prompt")
         if max(ids) >= vocab_size:
-            raise APIError(400, f"{where}: token id {max(ids)} is outside the vocabulary ({vocab_size})",
-                           param="prompt")  # fmt: skip
+            raise APIError(
+                400, f"{where}: token id {max(ids)} is outside the vocabulary ({vocab_size})", param="prompt"
+            )
         out.append(ids)
     return out
 
@@ -214,8 +220,11 @@ def chat_logprobs(body: ChatCompletionRequest) -> int | None:
     """The engine's logprobs for a chat request: None without `logprobs: true`, else top_logprobs (0 if absent).
     top_logprobs without logprobs is refused, as OpenAI does, rather than silently returning nothing."""
     if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true (top_logprobs is how many alternatives each "
-                       "token's entry lists)", param="top_logprobs")  # fmt: skip
+        raise APIError(
+            400,
+            "top_logprobs needs logprobs: true (top_logprobs is how many alternatives each token's entry lists)",
+            param="top_logprobs",
+        )
     return (body.top_logprobs or 0) if body.logprobs else None
 
 

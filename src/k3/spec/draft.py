@@ -37,8 +37,9 @@ class DraftModel(nn.Module):
     it shares the big model's embedding and LM head without making them the draft's parameters.
     """
 
-    def __init__(self, config: K3Config, mode: str = "chain",
-                 num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS):  # fmt: skip
+    def __init__(
+        self, config: K3Config, mode: str = "chain", num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    ):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"draft mode must be one of {MODES}, got {mode!r}")
@@ -55,8 +56,13 @@ class DraftModel(nn.Module):
         self.input_layernorm = RMSNorm(d, eps)
         self.self_attn = GatedMLA(config)
         self.post_attention_layernorm = RMSNorm(d, eps)
-        self.mlp = GatedMLP(d, config.intermediate_size, config.hidden_act, config.activation_situ_beta,
-                            config.activation_situ_linear_beta)  # fmt: skip
+        self.mlp = GatedMLP(
+            d,
+            config.intermediate_size,
+            config.hidden_act,
+            config.activation_situ_beta,
+            config.activation_situ_linear_beta,
+        )
         self.norm = RMSNorm(d, eps)
         if mode == "block":
             self.mask_embedding = nn.Parameter(torch.zeros(d))
@@ -80,8 +86,9 @@ class DraftModel(nn.Module):
 
     def features(self, summaries: list[torch.Tensor]) -> torch.Tensor:
         """The chosen block summaries, each (..., d) -> g₀ (..., d)."""
-        normed = [norm(s.to(self.feature_proj.weight.dtype)) for norm, s in zip(self.feature_norms, summaries,
-                                                                                  strict=True)]  # fmt: skip
+        normed = [
+            norm(s.to(self.feature_proj.weight.dtype)) for norm, s in zip(self.feature_norms, summaries, strict=True)
+        ]
         return self.feature_proj(torch.cat(normed, dim=-1))
 
     def _layer(self, tokens_emb: torch.Tensor, g: torch.Tensor, cache: MLALayerCache | None) -> torch.Tensor:

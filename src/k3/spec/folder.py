@@ -22,8 +22,15 @@ from k3.spec.draft import DraftModel
 
 FORMAT = "k3-draft-1"
 CONFIG_FILE, WEIGHTS_FILE = "draft.json", "draft.safetensors"
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim",
-                "num_attention_heads", "intermediate_size")  # fmt: skip
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "num_attention_heads",
+    "intermediate_size",
+)
 
 
 class DraftFolderError(ValueError):
@@ -34,8 +41,11 @@ def base_fingerprint(model: K3Model) -> dict:
     """The big model's shape and four statistics of its embedding and LM head (sums and sums of squares in
     fp64): equal for the same weights in any dtype to ~1e-3, different for any other trained model."""
     weights = {"embed": model.model.embed_tokens.weight, "lm_head": model.lm_head.weight}
-    stats = {f"{name}_{kind}": float(w.detach().double().pow(p).sum())
-             for name, w in weights.items() for kind, p in (("sum", 1), ("sumsq", 2))}  # fmt: skip
+    stats = {
+        f"{name}_{kind}": float(w.detach().double().pow(p).sum())
+        for name, w in weights.items()
+        for kind, p in (("sum", 1), ("sumsq", 2))
+    }
     return {**{f: getattr(model.config, f) for f in SHAPE_FIELDS}, **stats}
 
 
@@ -43,9 +53,13 @@ def save_draft(draft: DraftModel, big: K3Model, out: str | Path, training: dict 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {
-        "format": FORMAT, "mode": draft.mode, "num_speculative_tokens": draft.num_speculative_tokens,
-        "feature_blocks": list(draft.feature_blocks), "base": base_fingerprint(big), "training": training or {},
-    }  # fmt: skip
+        "format": FORMAT,
+        "mode": draft.mode,
+        "num_speculative_tokens": draft.num_speculative_tokens,
+        "feature_blocks": list(draft.feature_blocks),
+        "base": base_fingerprint(big),
+        "training": training or {},
+    }
     state = {k: v.detach().float().contiguous() for k, v in draft.state_dict().items()}
     # each file atomically (a kill never leaves a torn one), the weights first: draft.json says the folder is a draft
     atomic_write(out / WEIGHTS_FILE, lambda tmp: save_file(state, str(tmp)))

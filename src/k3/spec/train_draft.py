@@ -156,8 +156,9 @@ def prepare_data(
 
 
 @torch.no_grad()
-def continuations(big: K3Model, corpus: np.ndarray, n: int, cfg: DraftTrainConfig, seed: int,
-                  batch: int = 32) -> torch.Tensor:  # fmt: skip
+def continuations(
+    big: K3Model, corpus: np.ndarray, n: int, cfg: DraftTrainConfig, seed: int, batch: int = 32
+) -> torch.Tensor:
     """n prompts of cfg.prompt_tokens tokens drawn from the corpus, each continued by the big model for
     cfg.new_tokens tokens -> (n, prompt_tokens + new_tokens) token ids."""
     P = cfg.prompt_tokens
@@ -166,8 +167,10 @@ def continuations(big: K3Model, corpus: np.ndarray, n: int, cfg: DraftTrainConfi
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, len(corpus) - P, size=n)
     prompts = torch.from_numpy(np.stack([corpus[s : s + P] for s in starts]).astype(np.int64))
-    out = [generate(big, prompts[i : i + batch], cfg.new_tokens, temperature=cfg.temperature, seed=seed + i)
-           for i in range(0, n, batch)]  # fmt: skip
+    out = [
+        generate(big, prompts[i : i + batch], cfg.new_tokens, temperature=cfg.temperature, seed=seed + i)
+        for i in range(0, n, batch)
+    ]
     return torch.cat(out)
 
 
@@ -233,8 +236,13 @@ def evaluate(big: K3Model, draft: DraftModel, data: torch.Tensor, prompt_tokens:
     accepted_at = ((match * reached).sum(0) / reached.sum(0).clamp_min(1)).tolist()
     greedy_len = walk_tokens_per_step(torch.cat(runs))
     sampled_len = torch.cumprod(alpha, 1).sum(1).mean().item() + 1
-    return {"tokens_per_step_greedy": greedy_len, "tokens_per_step_sampled": sampled_len,
-            "greedy_acceptance_at": accepted_at, "alpha_at": alpha.mean(0).tolist(), "rows": len(match)}  # fmt: skip
+    return {
+        "tokens_per_step_greedy": greedy_len,
+        "tokens_per_step_sampled": sampled_len,
+        "greedy_acceptance_at": accepted_at,
+        "alpha_at": alpha.mean(0).tolist(),
+        "rows": len(match),
+    }
 
 
 def train_draft(

@@ -50,8 +50,10 @@ class Parallel:
         if self.dp not in DP_MODES:
             raise ValueError(f"--dp must be one of {', '.join(DP_MODES)}, got {self.dp!r}")
         if self.ep < 1 or self.world_size % self.ep:
-            raise ValueError(f"--ep {self.ep} must divide the number of processes ({self.world_size}): the experts "
-                             f"are split over groups of --ep ranks")  # fmt: skip
+            raise ValueError(
+                f"--ep {self.ep} must divide the number of processes ({self.world_size}): the experts "
+                f"are split over groups of --ep ranks"
+            )
 
     @property
     def distributed(self) -> bool:
@@ -144,8 +146,10 @@ def init_parallel(dp: str = "ddp", ep: int = 1) -> Parallel:
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", 0))
         if local >= torch.cuda.device_count():
-            raise ValueError(f"local rank {local} has no GPU: this machine has {torch.cuda.device_count()}; start at "
-                             f"most one process per GPU (--nproc / --nproc-per-node)")  # fmt: skip
+            raise ValueError(
+                f"local rank {local} has no GPU: this machine has {torch.cuda.device_count()}; start at "
+                f"most one process per GPU (--nproc / --nproc-per-node)"
+            )
         torch.cuda.set_device(local)
     if not dist.is_initialized():
         timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
@@ -198,8 +202,16 @@ class RankLog:
 
 def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
     """The torchrun line that `k3 train --nproc N ARGS` runs: one machine, a free rendezvous port."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "k3.train", *argv]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "k3.train",
+        *argv,
+    ]
 
 
 def launch(nproc: int, argv: list[str]) -> int:

@@ -62,8 +62,10 @@ class ExpertExchange:
 
     def __call__(self, z_AL: torch.Tensor, counts: list[int], first: int = 0) -> torch.Tensor:
         if first != 0 or len(counts) != self.num_experts:
-            raise ValueError(f"expert parallelism exchanges the runs of all {self.num_experts} experts; got "
-                             f"{len(counts)} counts from expert {first}")  # fmt: skip
+            raise ValueError(
+                f"expert parallelism exchanges the runs of all {self.num_experts} experts; got "
+                f"{len(counts)} counts from expert {first}"
+            )
         N, X = self.ep_size, self.local
         counts_E = torch.tensor(counts, dtype=torch.int64, device=z_AL.device)  # (NCCL takes GPU tensors only)
         recv_counts = torch.empty_like(counts_E)

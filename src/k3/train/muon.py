@@ -142,8 +142,10 @@ class MuonAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch keeps the given tensors when dtype and device already match, so an optimiser loaded from
         # another live optimiser's state_dict would share (and update in place) its buffers: copy them.
-        state = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
-                 for k, s in state_dict["state"].items()}  # fmt: skip
+        state = {
+            k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+            for k, s in state_dict["state"].items()
+        }
         super().load_state_dict({**state_dict, "state": state})
         # torch replaces each group by the saved one: a state_dict from before a key existed lacks it
         for group in self.param_groups:

@@ -125,9 +125,12 @@ def group_name(a: Assignment) -> str:
 
 
 def param_groups(
-    model: nn.Module, lr: float, weight_decay: float, expert_optimizer: str = "muon",
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    expert_optimizer: str = "muon",
     expert_ns_steps: int | None = None,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     """MuonAdamW groups, one per (algo, heads, decay, expert), each with `name`, `algo`, `lr`, `weight_decay`
     (0 where not decayed) and, for Muon, `heads`; a Muon experts group also `ns_steps` (expert_ns_steps, when
     given) and `skip_idle` (expert_optimizer "muon-active"). `params` are (name, tensor) pairs so the
@@ -138,8 +141,13 @@ def param_groups(
         by_kind.setdefault(a, []).append(name)
     groups = []
     for a, names in by_kind.items():
-        group = dict(name=group_name(a), algo=a.algo, params=[(n, tensors[n]) for n in names], lr=lr,
-                     weight_decay=weight_decay if a.decay else 0.0)  # fmt: skip
+        group = dict(
+            name=group_name(a),
+            algo=a.algo,
+            params=[(n, tensors[n]) for n in names],
+            lr=lr,
+            weight_decay=weight_decay if a.decay else 0.0,
+        )
         if a.algo == "muon":
             group["heads"] = a.heads
         if a.algo == "muon" and a.expert:
@@ -190,14 +198,19 @@ def build_optimizer(
     if expert_ns_steps == ns_steps:
         expert_ns_steps = None  # the experts need no group of their own for it
     groups = param_groups(model, lr, weight_decay, expert_optimizer, expert_ns_steps)
-    return MuonAdamW(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps, betas=betas,
-                     eps=eps)  # fmt: skip
+    return MuonAdamW(
+        groups, lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps, betas=betas, eps=eps
+    )
 
 
 def lr_at(
-    step: int, total_steps: int, warmup: int, schedule: str = "cosine", min_ratio: float = 0.1,
+    step: int,
+    total_steps: int,
+    warmup: int,
+    schedule: str = "cosine",
+    min_ratio: float = 0.1,
     decay_fraction: float = 0.2,
-) -> float:  # fmt: skip
+) -> float:
     """The lr factor (peak 1) for 0-based `step` of a run of `total_steps` steps (0 … total_steps − 1).
 
     warmup:  (step + 1) / warmup for step < warmup, so the first step already learns and step warmup − 1 is the peak

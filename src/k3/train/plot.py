@@ -48,8 +48,12 @@ def plot_run(run: str | Path, log: Callable[[str], None] | None = None) -> list[
     if with_vio:
         fig, ax = plt.subplots(figsize=(7, 4))
         for layer in range(len(with_vio[0]["maxvio"])):
-            ax.plot([r["step"] for r in with_vio], [r["maxvio"][layer] for r in with_vio], lw=1,
-                    label=f"MoE layer {layer + 1}")  # fmt: skip
+            ax.plot(
+                [r["step"] for r in with_vio],
+                [r["maxvio"][layer] for r in with_vio],
+                lw=1,
+                label=f"MoE layer {layer + 1}",
+            )
         ax.set(xlabel="step", ylabel="MaxVio = (max load − mean) / mean", title=f"{run.name}: expert load balance")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)

@@ -52,8 +52,12 @@ def rank_memory(config: K3Config, ep: int, dp: int, micro_batch_tokens: int = 81
     rest_params = sum(rest.values()) / dp
     opt = (routed["muon"] * FP32 + routed["adamw"] * 2 * FP32) * per_rank_experts / E
     opt += (rest["muon"] * FP32 + rest["adamw"] * 2 * FP32) / dp
-    d, L, I, k = config.hidden_size, config.routed_expert_hidden_size, config.moe_intermediate_size, (
-        config.num_experts_per_token)  # fmt: skip
+    d, L, I, k = (
+        config.hidden_size,
+        config.routed_expert_hidden_size,
+        config.moe_intermediate_size,
+        (config.num_experts_per_token),
+    )
     kept = 2 * config.num_hidden_layers * d * BF16 * micro_batch_tokens
     moe_live = micro_batch_tokens * k * (2 * L + 3 * I) * BF16
     parts = {
@@ -91,6 +95,8 @@ def format_rank_memory(m: dict[str, Any]) -> str:
     lines = [f"Training memory per rank at EP = {m['ep']}, FSDP over {m['dp']} ranks (k3.train.rank_memory):"]
     lines += [f"  {name:<66} {value / GB:>8.1f} GB" for name, value in rows]
     lines.append(f"  {'total':<66} {m['total'] / GB:>8.1f} GB")
-    lines.append(f"  routed expert copy for the forward: bf16 {m['expert_copy_bf16'] / GB:.1f} GB, MXFP4 "
-                 f"{m['expert_copy_mxfp4'] / GB:.1f} GB ({human(m['routed_params_per_rank'])} parameters)")  # fmt: skip
+    lines.append(
+        f"  routed expert copy for the forward: bf16 {m['expert_copy_bf16'] / GB:.1f} GB, MXFP4 "
+        f"{m['expert_copy_mxfp4'] / GB:.1f} GB ({human(m['routed_params_per_rank'])} parameters)"
+    )
     return "\n".join(lines)

@@ -129,8 +129,17 @@ def local_part(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def save_gathered(pm: ParallelModel, optimizer, run: Path, step: int, config, state: dict[str, Any],
-                  expert_optimizer: str, expert_ns_steps: int, keep_last: int) -> Path:  # fmt: skip
+def save_gathered(
+    pm: ParallelModel,
+    optimizer,
+    run: Path,
+    step: int,
+    config,
+    state: dict[str, Any],
+    expert_optimizer: str,
+    expert_ns_steps: int,
+    keep_last: int,
+) -> Path:
     """full_state, written by rank 0 as step `step` of `run` (k3.formats.checkpoint.write_checkpoint, with the
     layout in the training state); every rank returns after the write (a barrier)."""
     model_tensors, opt_tensors, opt_meta = full_state(pm, optimizer, config, expert_optimizer, expert_ns_steps)

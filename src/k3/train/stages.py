@@ -31,8 +31,9 @@ def parse_stages(text: str) -> list[Stage]:
         try:
             length, steps = (int(x) for x in part.strip().split(":"))
         except ValueError:
-            raise ValueError(f"--stages {text!r}: each stage is LENGTH:STEPS (e.g. 256:100,1024:50), got "
-                             f"{part.strip()!r}") from None  # fmt: skip
+            raise ValueError(
+                f"--stages {text!r}: each stage is LENGTH:STEPS (e.g. 256:100,1024:50), got {part.strip()!r}"
+            ) from None
         if length < 1 or steps < 1:
             raise ValueError(f"--stages {text!r}: lengths and steps must be at least 1, got {part.strip()!r}")
         stages.append(Stage(length, steps))
@@ -62,8 +63,10 @@ class TrainBatches:
                 mix.check_length(length)
         for stage in self.stages:
             if stage.seq_len > len(base.tokens):
-                raise ValueError(f"--stages: a stage of {stage.seq_len} tokens is longer than the training text "
-                                 f"({len(base.tokens)} tokens)")  # fmt: skip
+                raise ValueError(
+                    f"--stages: a stage of {stage.seq_len} tokens is longer than the training text "
+                    f"({len(base.tokens)} tokens)"
+                )
 
     def seq_len_at(self, step: int) -> int:
         return self.stages[stage_at(self.stages, step)].seq_len if self.stages else self.base.seq_len

@@ -247,16 +247,23 @@ class Trainer:
 
     def _optimizer(self, expert_optimizer: str, expert_ns_steps: int):
         a = self.args
-        return build_optimizer(self.model, lr=a.lr, weight_decay=a.weight_decay, expert_optimizer=expert_optimizer,
-                               expert_ns_steps=expert_ns_steps)  # fmt: skip
+        return build_optimizer(
+            self.model,
+            lr=a.lr,
+            weight_decay=a.weight_decay,
+            expert_optimizer=expert_optimizer,
+            expert_ns_steps=expert_ns_steps,
+        )
 
     def _sequences(self, split: str, docs, seed: int) -> PackedSequences:
         tokens = cached_pack(self.folder.path / f"{split}_tokens.npy", docs, self.tokenizer)
         if len(tokens) < self.args.seq_len:
             what = "training" if split == "train" else "validation"
-            raise ValueError(f"the {what} text is {len(tokens)} tokens, less than one sequence of --seq-len "
-                             f"{self.args.seq_len}; give more text (or --val-data / a larger --val-fraction) or a "
-                             f"smaller --seq-len")  # fmt: skip
+            raise ValueError(
+                f"the {what} text is {len(tokens)} tokens, less than one sequence of --seq-len "
+                f"{self.args.seq_len}; give more text (or --val-data / a larger --val-fraction) or a "
+                f"smaller --seq-len"
+            )
         return PackedSequences(tokens, self.args.seq_len, seed)
 
     @cached_property
@@ -311,8 +318,9 @@ class Trainer:
         recorded = ckpt.config
         if self.args.init_from is not None:
             return recorded
-        now = K3Config.from_preset(self.args.preset, vocab_size=self.tokenizer.vocab_size,
-                                   expert_quantization=self.args.qat)  # fmt: skip
+        now = K3Config.from_preset(
+            self.args.preset, vocab_size=self.tokenizer.vocab_size, expert_quantization=self.args.qat
+        )
         started = ckpt.state.get("args", {}).get("preset") or ckpt.state.get("init", {}).get("preset")
         diff = config_diff(recorded, now)
         if started != self.args.preset:
@@ -320,11 +328,15 @@ class Trainer:
                 raise CheckpointError(f"{ckpt.path} was trained with another configuration: " + "; ".join(diff))
             return recorded
         if recorded.vocab_size != self.tokenizer.vocab_size:
-            raise CheckpointError(f"{ckpt.path} has a vocabulary of {recorded.vocab_size} tokens, the run's "
-                                  f"tokenizer.json {self.tokenizer.vocab_size}: it was replaced")  # fmt: skip
+            raise CheckpointError(
+                f"{ckpt.path} has a vocabulary of {recorded.vocab_size} tokens, the run's "
+                f"tokenizer.json {self.tokenizer.vocab_size}: it was replaced"
+            )
         if diff:
-            self.log(f"resuming with the configuration {ckpt.path} recorded; the {self.args.preset} preset now "
-                     f"differs (recorded != now): " + "; ".join(diff))  # fmt: skip
+            self.log(
+                f"resuming with the configuration {ckpt.path} recorded; the {self.args.preset} preset now "
+                f"differs (recorded != now): " + "; ".join(diff)
+            )
         return recorded
 
     def _init_source(self, path: str, text_only: bool):
@@ -334,8 +346,10 @@ class Trainer:
 
         pretrained = load_pretrained(path, text_only=text_only)
         if pretrained.tokenizer_path is None:
-            raise CheckpointError(f"--init-from {path}: no tokenizer.json beside the weights; training needs the "
-                                  f"tokenizer the model was trained with")  # fmt: skip
+            raise CheckpointError(
+                f"--init-from {path}: no tokenizer.json beside the weights; training needs the "
+                f"tokenizer the model was trained with"
+            )
         if K3Tokenizer.load(pretrained.tokenizer_path).vocab_size > pretrained.config.vocab_size:
             raise CheckpointError(f"--init-from {path}: its tokenizer has more tokens than its model's vocabulary")
         source = pretrained.tokenizer_path.read_bytes()
@@ -346,8 +360,10 @@ class Trainer:
         # The run trains dense weights: a release's quantization_config describes packed experts, not these.
         pretrained.config = replace(pretrained.config, quantization_config=None)
         pretrained.model.config = pretrained.config
-        self.log(f"initialised from {pretrained.path} ({pretrained.kind}); its config and tokenizer replace "
-                 f"--preset and --vocab-size")  # fmt: skip
+        self.log(
+            f"initialised from {pretrained.path} ({pretrained.kind}); its config and tokenizer replace "
+            f"--preset and --vocab-size"
+        )
         return pretrained
 
     def _load_optimizer(self, ckpt, optimizer) -> None:
@@ -389,9 +405,11 @@ class Trainer:
                     fresh += 1
                 elif p in old.state:  # (a parameter that never had a gradient has no state yet)
                     self.optimizer.state[p] = old.state[p]
-        self.log(f"--expert-optimizer {expert_optimizer} / --expert-ns-steps {expert_ns_steps} became "
-                 f"{self.args.expert_optimizer} / {self.args.expert_ns_steps}: optimiser state carried over where "
-                 f"the algorithm is the same; {fresh} parameters start theirs afresh")  # fmt: skip
+        self.log(
+            f"--expert-optimizer {expert_optimizer} / --expert-ns-steps {expert_ns_steps} became "
+            f"{self.args.expert_optimizer} / {self.args.expert_ns_steps}: optimiser state carried over where "
+            f"the algorithm is the same; {fresh} parameters start theirs afresh"
+        )
 
     def autocast(self):
         if self.device.type == "cuda":
@@ -506,8 +524,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         dt = time.perf_counter() - t0
-        record = {"step": self.step, "loss": loss_sum / a.grad_accum, "lr": a.lr * factor,
-                  "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / dt, "step_s": dt}  # fmt: skip
+        record = {
+            "step": self.step,
+            "loss": loss_sum / a.grad_accum,
+            "lr": a.lr * factor,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_step / dt,
+            "step_s": dt,
+        }
         if maxvio is not None:
             record["maxvio"] = maxvio
         if a.stages:

@@ -247,8 +247,9 @@ def answer_accuracy(
         e = encode(ex, tokenizer, model.config, use_images)
         prompt = torch.tensor([e.ids[: e.prompt_len]])
         embeds = model.encode_images([e.image]) if use_images else None
-        out = generate(model, prompt, len(e.answer) + 4, temperature=0, eos_token_id=tokenizer.eos_id,
-                       image_embeds=embeds)[0, e.prompt_len :].tolist()  # fmt: skip
+        out = generate(
+            model, prompt, len(e.answer) + 4, temperature=0, eos_token_id=tokenizer.eos_id, image_embeds=embeds
+        )[0, e.prompt_len :].tolist()
         text = tokenizer.decode(out[: out.index(tokenizer.eos_id)] if tokenizer.eos_id in out else out)
         hit = scores.setdefault(ex.task, [0, 0])
         hit[0] += int(text.strip() == ex.answer)

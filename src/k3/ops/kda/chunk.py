@@ -186,12 +186,21 @@ def chunk_kda(
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, flags, A_log, dt_bias, cu_seqlens_cpu)
     if resolve(backend, q) == "fla":
         kwargs = dict(
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-            safe_gate=safe_gate, lower_bound=lower_bound, disable_recompute=disable_recompute,
-            return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
-            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size, A_log=A_log, dt_bias=dt_bias,
-        )  # fmt: skip
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate,
+            lower_bound=lower_bound,
+            disable_recompute=disable_recompute,
+            return_intermediate_states=return_intermediate_states,
+            state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+            chunk_size=chunk_size,
+            A_log=A_log,
+            dt_bias=dt_bias,
+        )
         # fla asserts an fp32 initial state; the torch path upcasts any state, so the seam does too.
         h0 = None if h0_user is None else h0_user.float()
         with on_device(q):

@@ -75,9 +75,23 @@ def fused_recurrent_kda(
     )
     if resolve(backend, q, needs_grad=grad, op="fused_recurrent_kda") == "fla":
         return _fla(
-            q, k, v, g, beta, scale, pool, output_final_state, flags, cu_seqlens, A_log, dt_bias,
-            ssm_state_indices, lengths, inplace_final_state, state_v_first,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale,
+            pool,
+            output_final_state,
+            flags,
+            cu_seqlens,
+            A_log,
+            dt_bias,
+            ssm_state_indices,
+            lengths,
+            inplace_final_state,
+            state_v_first,
+        )
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v2, g, beta, h0 = prepare(q, k, v, g, beta, initial_state, flags, A_log, dt_bias)
@@ -177,8 +191,24 @@ def _check_pool(
     return lengths
 
 
-def _fla(q, k, v, g, beta, scale, pool, output_final_state, flags, cu_seqlens, A_log, dt_bias, indices, lengths,
-         inplace, state_v_first):  # fmt: skip
+def _fla(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    pool,
+    output_final_state,
+    flags,
+    cu_seqlens,
+    A_log,
+    dt_bias,
+    indices,
+    lengths,
+    inplace,
+    state_v_first,
+):
     """fla's kernel, given what its contract asks: contiguous [B, T, H, D] inputs, states read and
     written through row indices into an fp32 pool whose rows are contiguous, per-token indices when a
     sequence has more than one token, and the device of the inputs made current.
@@ -206,8 +236,9 @@ def _fla(q, k, v, g, beta, scale, pool, output_final_state, flags, cu_seqlens, A
             # fla's public wrapper: no pool, no in-place write; a pool's rows are gathered first
             h0 = pool if indices is None else pool[indices if indices.dim() == 1 else indices[:, 0]]
             h0 = None if h0 is None else h0.float().contiguous()
-            return fla.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0,
-                                           output_final_state=output_final_state, **kwargs)  # fmt: skip
+            return fla.fused_recurrent_kda(
+                q, k, v, g, beta, initial_state=h0, output_final_state=output_final_state, **kwargs
+            )
         if indices is None:
             # a batch's own state tensor: addressed through row indices, which honour its row stride
             indices = torch.arange(len(pool), device=q.device, dtype=torch.int32)
@@ -220,9 +251,17 @@ def _fla(q, k, v, g, beta, scale, pool, output_final_state, flags, cu_seqlens, A
             # sequence n writes its state to n's row; the last write is the final state.
             indices = indices[:, None].expand(len(indices), T)
         o, _ = fla.fused_recurrent.fused_recurrent_kda_fwd(
-            q, k, v, g, beta, initial_state=pool, output_final_state=True, inplace_final_state=True,
-            ssm_state_indices=indices.contiguous(), **kwargs,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=pool,
+            output_final_state=True,
+            inplace_final_state=True,
+            ssm_state_indices=indices.contiguous(),
+            **kwargs,
+        )
     if not output_final_state:
         return o, None
     last = indices if indices.dim() == 1 else indices.gather(1, (lengths.clamp_min(1) - 1).to(indices.device)[:, None])

@@ -36,10 +36,12 @@ class SpecStats:
             return xs + [0] * (n - len(xs))
 
         return SpecStats(
-            self.verify_steps + other.verify_steps, self.proposed + other.proposed, self.accepted + other.accepted,
+            self.verify_steps + other.verify_steps,
+            self.proposed + other.proposed,
+            self.accepted + other.accepted,
             [a + b for a, b in zip(pad(self.proposed_at), pad(other.proposed_at), strict=True)],
             [a + b for a, b in zip(pad(self.accepted_at), pad(other.accepted_at), strict=True)],
-        )  # fmt: skip
+        )
 
     @property
     def tokens_per_step(self) -> float:
@@ -51,5 +53,8 @@ class SpecStats:
         return [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at, strict=True)]
 
     def as_dict(self) -> dict:
-        return {"spec_verify_steps": self.verify_steps, "spec_proposed_tokens": self.proposed,
-                "spec_accepted_tokens": self.accepted}  # fmt: skip
+        return {
+            "spec_verify_steps": self.verify_steps,
+            "spec_proposed_tokens": self.proposed,
+            "spec_accepted_tokens": self.accepted,
+        }
