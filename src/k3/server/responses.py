@@ -139,7 +139,13 @@ _WHY = {
     500: "an unexpected failure; the message gives the id of its traceback in the server log",
     503: "the server is shutting down or has too many connections",
 }
-_STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "OpenAI's chunks as SSE, then [DONE]"}}}
+# each server-sent event (as schema-based clients and fuzzers read one): `data` a chunk's JSON, the last "[DONE]"
+_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string", "description": "a chunk's JSON; the last event's is [DONE]"}},
+    "required": ["data"],
+}
+_STREAM = {"text/event-stream": {"schema": _EVENT, "description": "OpenAI's chunks as SSE, then [DONE]"}}
 POST_ERRORS = _errors(400, 401, 408, 413, 429, 500, 503)
 
 COMPLETIONS = {200: {"model": Completion, "content": _STREAM, "description": "a completion, or a stream"}}
