@@ -49,3 +49,13 @@ def test_layout_names_what_exists_and_nothing_outside():
     docs = [d.strip() for d in docs]
     assert sorted(docs) == sorted(p.stem for p in (ROOT / "docs").glob("*.md"))
     assert "shared folder" not in README and "STYLE.md" not in README and "SPEC.md" not in README
+
+
+def test_measured_quotes_the_benchmarks_summary():
+    """One source of figures: README's Measured block is docs/benchmarks.md's summary, verbatim."""
+    docs = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+
+    def block(text: str) -> str:
+        return text[text.index("<!-- summary:start -->") : text.index("<!-- summary:end -->")]
+
+    assert block(README) == block(docs) and "tokens/s" in block(docs)
