@@ -187,7 +187,7 @@ def test_old_and_new_name_of_one_tensor_is_an_error(tmp_path):
     tensors["model.layers.0.ffn_res_norm.weight"] = tensors["model.layers.0.mlp_res_norm.weight"].clone()
     save_file(tensors, path / "model.safetensors")
     with pytest.raises(CheckpointError, match="both the old and the released name"):
-        load_checkpoint(path, verify=False).load_model(K3Model(CONFIG))
+        load_checkpoint(path, check_digests=False).load_model(K3Model(CONFIG))
 
 
 def test_a_hand_edited_meta_json_is_refused(tmp_path):

@@ -111,7 +111,7 @@ def _peek(path: str) -> tuple[K3Config, Path | None]:
         config, tokenizer = K3Config.from_hf(path), Path(path) / "tokenizer.json"
     else:
         # the full load verifies the checksums and reports a fallback to an older step: no second report here
-        ckpt = load_checkpoint(path, verify=False, log=lambda message: None)
+        ckpt = load_checkpoint(path, check_digests=False, log=lambda message: None)
         config, tokenizer = ckpt.config, ckpt.path.parent / ckpt.state.get("tokenizer", "tokenizer.json")
     return config, tokenizer if tokenizer.is_file() else None
 

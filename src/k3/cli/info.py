@@ -79,6 +79,6 @@ def _config_of(path: Path) -> K3Config:
 
     if path.is_dir() and not (path / "config.json").exists():
         if (path / "meta.json").exists() or any(path.glob("step_*/meta.json")):
-            return load_checkpoint(path, verify=False).config
+            return load_checkpoint(path, check_digests=False).config
         raise ConfigError(f"{path}: no config.json, and not a run or step folder (no meta.json)")
     return K3Config.from_hf(path)

@@ -320,7 +320,7 @@ def _check_shape(path: Path, meta: Any) -> None:
     check_tokenizer_path(meta["state"].get("tokenizer"), path.parent)
 
 
-def _load_one(path: Path, verify: bool) -> "Checkpoint":
+def _load_one(path: Path, check_digests: bool) -> "Checkpoint":
     if not (path / "meta.json").exists():
         raise CheckpointError(f"{path} has no meta.json: the checkpoint is incomplete or damaged")
     try:
@@ -328,7 +328,7 @@ def _load_one(path: Path, verify: bool) -> "Checkpoint":
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path / 'meta.json'} is not valid JSON (truncated or corrupted): {e}") from e
     _check_shape(path, meta)
-    if verify:
+    if check_digests:
         for f in FILES:
             if not (path / f).exists():
                 raise CheckpointError(f"{path / f} is missing: the checkpoint is incomplete")
@@ -341,9 +341,11 @@ def _warn(message: str) -> None:
     warnings.warn(message, CheckpointWarning, stacklevel=3)
 
 
-def load_checkpoint(path: str | Path, verify: bool = True, log: Callable[[str], None] | None = None) -> Checkpoint:
+def load_checkpoint(
+    path: str | Path, check_digests: bool = True, log: Callable[[str], None] | None = None
+) -> Checkpoint:
     """A checkpoint folder, or a run folder (its newest usable checkpoint). Checks meta.json's shape and
-    checksum and, with verify, every file's sha256 against it. In a run folder an unusable newest
+    checksum and, with check_digests, every file's sha256 against it. In a run folder an unusable newest
     checkpoint is skipped for the next older one, with a message through `log` (default: a
     CheckpointWarning) naming the step used and why; if none is usable, the newest one's error is raised."""
     path = Path(path)
@@ -352,14 +354,14 @@ def load_checkpoint(path: str | Path, verify: bool = True, log: Callable[[str], 
     if not path.is_dir():
         raise CheckpointError(f"{path}: a file, not a checkpoint or run directory")
     if (path / "meta.json").exists() or STEP_NAME.fullmatch(path.name):
-        return _load_one(path, verify)
+        return _load_one(path, check_digests)
     found = _step_folders(path)
     if not found:
         raise CheckpointError(f"{path}: no checkpoint here (no step_*/meta.json)")
     errors = []
     for candidate in reversed(found):
         try:
-            ckpt = _load_one(candidate, verify)
+            ckpt = _load_one(candidate, check_digests)
         except CheckpointError as e:
             errors.append(e)
             continue
