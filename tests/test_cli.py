@@ -111,7 +111,7 @@ def test_train_ends_with_what_to_run_next_and_params_reads_run_and_step_folders(
     run = tmp_path / "run"
     assert main(["train", *TINY_TRAIN, "--steps", "2", "--data", str(small_corpus), "--out", str(run)]) == 0
     out = capsys.readouterr().out
-    assert f"k3 generate --ckpt {run} " in out and f"k3 plot {run}" in out
+    assert f"k3 generate --model {run} " in out and f"k3 plot {run}" in out
     longer = next(line for line in out.splitlines() if "train twice as long" in line).split("#")[0].split()
     assert longer[:2] == ["k3", "train"] and "--resume" in longer and longer[longer.index("--steps") + 1] == "4"
     assert main(longer[1:]) == 0  # the suggested command runs as printed

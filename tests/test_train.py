@@ -172,7 +172,7 @@ def test_quickstart_and_plot(tmp_path, corpus, capsys):
     args = ["quickstart", *TRAIN, "--steps", "4", "--data", str(corpus), "--out", str(out), "--sample-tokens", "8"]
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert "validation loss:" in text and "def fibonacci(n):" in text and "k3 generate --ckpt" in text
+    assert "validation loss:" in text and "def fibonacci(n):" in text and "k3 generate --model" in text
     assert re.search(r"served 7 more requests sharing their first \d+ prompt tokens", text)
     assert "prompt tokens came from the prefix cache" in text and "from the prefix cache (0 resumed" not in text
     for name in ("loss.png", "maxvio.png"):

@@ -22,7 +22,7 @@ def next_generate(run: str | Path) -> str:
     newline rather than a backslash and an n; the run folder quoted for the shell."""
     import shlex
 
-    return f"k3 generate --ckpt {shlex.quote(str(run))} --max-tokens 200 --stream $'import os\\n'"
+    return f"k3 generate --model {shlex.quote(str(run))} --max-tokens 200 --stream $'import os\\n'"
 
 
 def _train_args(args: argparse.Namespace, **changes):
