@@ -37,23 +37,7 @@ def test_env_with_an_impossible_backend_says_why_instead_of_a_traceback(capsys, 
 
 import json  # noqa: E402  (appended section: the file's first part is another helper's)
 
-TINY_TRAIN = [
-    "--preset",
-    "tiny",
-    "--batch-size",
-    "2",
-    "--seq-len",
-    "32",
-    "--vocab-size",
-    "400",
-    "--eval-every",
-    "4",
-    "--eval-batches",
-    "2",
-    "--warmup",
-    "2",
-    "--no-progress",
-]
+from test_train import TRAIN as TINY_TRAIN  # noqa: E402  (one list of tiny-training flags)
 
 
 @pytest.fixture(scope="module")
