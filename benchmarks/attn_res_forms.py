@@ -18,10 +18,8 @@ medians. Sublayer: one AttnRes input over S sources at K3's width, the per-block
 
 import argparse
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -35,6 +33,7 @@ from k3.ops.numerics import at_least_fp32
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
+from machine import cpu
 
 
 class PerSourceStream(attn_res_module.AttnResStream):
@@ -100,15 +99,6 @@ def decoding_engine(model: K3Model, batch: int, context: int, max_tokens: int) -
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.seqs.values()):
         eng.step()
     return eng
-
-
-def cpu() -> str:
-    """The CPU model and its vector/matrix extensions (ratios move with them)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    ext = [x for x in ("avx2", "avx512f", "amx_tile") if x in flags]
-    return f"{name or platform.machine()} ({', '.join(ext) or 'no AVX2'})"
 
 
 def engine_step_ms(batch: int, context: int, rounds: int) -> dict[str, float]:

@@ -23,7 +23,6 @@ Also writes docs/serving_memory.png: decode memory against context, full K3 and 
 import argparse
 import contextlib
 import datetime
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu as cpu_name
 from train_step import llama_like  # the peer of the training benchmark, unchanged
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,14 +100,6 @@ def engine_mla(eng: LLMEngine, impl: str | None):
         return
     with mla_impl(eng.model, impl):
         yield
-
-
-def cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({platform.machine()})"
-    return platform.processor() or platform.machine()
 
 
 # ---- (a) throughput ------------------------------------------------------------------------------------

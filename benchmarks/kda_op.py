@@ -1,21 +1,28 @@
-"""KDA op benchmark: k3's chunked and recurrent KDA next to flash-linear-attention's PyTorch references.
+"""KDA op benchmark on gates that decay as trained models' do: k3's chunked and recurrent KDA next to
+flash-linear-attention's PyTorch references, one row per gate regime.
 
-    python benchmarks/kda_op.py                 # B=1, H=4, K=V=128, T in 1024 4096 16384, fp32, 2 threads
-    python benchmarks/kda_op.py --quick         # T=1024 only, fewer repeats
-    python benchmarks/kda_op.py --markdown      # also print the table for docs/benchmarks.md
+    python benchmarks/kda_op.py                 # B=1, H=4, K=V=128, T=4096, fp32, 2 threads, four gate regimes
+    python benchmarks/kda_op.py --T 1024 16384  # other lengths
+    python benchmarks/kda_op.py --quick         # T=1024, 3 repeats
+    python benchmarks/kda_op.py --markdown      # also print the tables for docs/benchmarks.md
 
-Peers, all in this run on the same inputs: fla 0.6.0's `naive_recurrent_kda` and `naive_chunk_kda`
-(pure PyTorch, loaded from fla/ops/kda/naive.py so Triton is not needed), and autograd through k3's
-per-timestep reference for the backward comparison. Install fla with
-`pip install --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0 einops`.
+Gate regimes (g: the log-decay per token and key channel):
+  weak       −0.1·sigmoid(N(0,1)), mean −0.05: what random initialisation gives (the old benchmark's inputs)
+  trained    −5·sigmoid(N(0,1)), spread across K3's bound (g ≥ −5) as a trained model's
+  saturated  −5 everywhere: the bound itself
+  unbounded  Kimi Linear's −exp(A)·softplus(x) with A ~ N(1, 1) per channel, clipped at −20
 
-Achieved GFLOP/s comes from an explicit count of the matmuls the chunked forward executes
-(`chunk_flops`), next to the fp32 matmul rate measured here (a 2048² matmul).
+Peers, all in this run on the same inputs: fla 0.6.0's `naive_recurrent_kda` and `naive_chunk_kda` (pure PyTorch,
+loaded from fla/ops/kda/naive.py so Triton is not needed); install fla with
+`pip install --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0 einops`. The decode step is one token of
+`fused_recurrent_kda` updating a (H, K, V) state in place, the state first prefilled with the regime's gate.
+
+GFLOP/s comes from an explicit count of the matmuls the chunked forward executes (`chunk_flops`), beside the
+fp32 matmul rate measured in the same run (a 2048² matmul). Flatness: the slowest regime over the fastest.
 """
 
 import argparse
 import datetime
-import platform
 import statistics
 import sys
 import time
@@ -23,13 +30,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate, naive_recurrent_kda
+from k3.ops.kda import chunk_kda, fused_recurrent_kda
 from k3.ops.kda.backend import fla_naive
-from k3.ops.kda.chunk import chunk_kda_fwd
-from k3.ops.kda.chunk_terms import SUB
+from machine import cpu
 
 SLOW_S = 2.0  # measurements slower than this per call get fewer repeats
-MAX_AUTOGRAD_T = 4096  # autograd through the per-token loop keeps ~3 states per token: 13 GB at 16K
+REGIMES = ("weak", "trained", "saturated", "unbounded")
 
 
 def timed(fn, repeats: int) -> float:
@@ -53,12 +59,10 @@ def matmul_gflops(repeats: int) -> float:
 
 def chunk_flops(B: int, T: int, H: int, K: int, V: int, C: int = 64) -> int:
     """Multiply-add FLOPs (2 per MAC) of the matmuls chunk_kda's forward executes, dense as executed."""
-    sub = min(SUB, C)
-    nb = C // sub
+    levels = [C >> i for i in range(C.bit_length() - 1)]  # the halving's block sizes C, C/2, ..., 2
     per_chunk = (
-        2 * (2 * nb * sub * sub * K)  # q·k and k·k inside each row block
-        + 2 * sum(2 * sub * (i * sub) * K for i in range(1, nb))  # row blocks against earlier columns
-        + C**3  # (I + βA)⁻¹ by triangular solve against the identity
+        sum(2 * 2 * (C // b) * (b // 2) ** 2 * K for b in levels)  # q·k and k·k, one quadrant per block and level
+        + sum(2 * 2 * (C // b) * (b // 2) ** 3 for b in levels)  # (I + βA)⁻¹ by halving: two matmuls per quadrant
         + 2 * C * C * (V + K)  # U = T·βv, W = T·βkΓ
         + 3 * 2 * C * K * V  # W·S, (qΓ)·S, (kΓ')ᵀ·u
         + 2 * C * C * V  # Aqk·u
@@ -66,24 +70,29 @@ def chunk_flops(B: int, T: int, H: int, K: int, V: int, C: int = 64) -> int:
     return B * H * -(-T // C) * per_chunk
 
 
-def make_inputs(T: int, H: int, K: int, V: int, seed: int = 0):
+def gate(regime: str, T: int, H: int, K: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(1, T, H, K, generator=gen)
+    if regime == "weak":
+        return -0.1 * x.sigmoid()
+    if regime == "trained":
+        return -5 * x.sigmoid()
+    if regime == "saturated":
+        return torch.full_like(x, -5.0)
+    A = torch.randn(H, K, generator=gen) + 1
+    return (-A.exp() * F.softplus(x)).clamp(min=-20)
+
+
+def make_inputs(regime: str, T: int, H: int, K: int, V: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     q = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
     k = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
     v = torch.randn(1, T, H, V, generator=gen)
-    g = kda_gate(torch.randn(1, T, H, K, generator=gen), torch.zeros(H), None, -5.0)
     beta = torch.rand(1, T, H, generator=gen).sigmoid()
-    return q, k, v, g, beta
+    return q, k, v, gate(regime, T, H, K, gen), beta
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
-
-
-def autograd_chunk(q, k, v, g, beta):
-    """chunk_kda's forward with autograd recording every operation (no hand-written backward)."""
-    o, S, _ = chunk_kda_fwd(q, k, v, g, beta, q.shape[-1] ** -0.5, None, 64)
-    return o, S
 
 
 def fwd_bwd(fn, inputs):
@@ -98,9 +107,24 @@ def fwd_bwd(fn, inputs):
     return run
 
 
-def bench(T: int, H: int, K: int, V: int, repeats: int, fla) -> dict:
-    inputs = make_inputs(T, H, K, V)
-    row = {"T": T}
+def decode_step(inputs, repeats: int) -> float:
+    """Seconds per decode step: one token through fused_recurrent_kda, the prefilled state updated in place."""
+    with torch.inference_mode():
+        _, state = chunk_kda(*inputs, output_final_state=True)
+        step = [x[:, -1:].clone() for x in inputs]
+        n = 50
+        return (
+            timed(
+                lambda: [fused_recurrent_kda(*step, initial_state=state, inplace_final_state=True) for _ in range(n)],
+                repeats,
+            )
+            / n
+        )
+
+
+def bench(regime: str, T: int, H: int, K: int, V: int, repeats: int, fla) -> dict:
+    inputs = make_inputs(regime, T, H, K, V)
+    row = {"regime": regime, "T": T, "g_mean": inputs[3].mean().item(), "g_min": inputs[3].min().item()}
     with torch.no_grad():
         row["chunk"] = timed(lambda: chunk_kda(*inputs), repeats)
         row["recurrent"] = timed(lambda: fused_recurrent_kda(*inputs), repeats)
@@ -110,10 +134,7 @@ def bench(T: int, H: int, K: int, V: int, repeats: int, fla) -> dict:
             # The comparison is only meaningful if both compute the same thing.
             row["err_vs_fla"] = rel_err(chunk_kda(*inputs)[0], fla.naive_recurrent_kda(*inputs)[0])
     row["chunk_fwd_bwd"] = timed(fwd_bwd(chunk_kda, inputs), repeats)
-    # the previous backward: autograd through the same chunked forward (k3's own baseline)
-    row["chunk_autograd_fwd_bwd"] = timed(fwd_bwd(autograd_chunk, inputs), repeats)
-    if T <= MAX_AUTOGRAD_T:
-        row["recurrent_fwd_bwd"] = timed(fwd_bwd(naive_recurrent_kda, inputs), min(repeats, 3))
+    row["decode"] = decode_step(inputs, repeats)
     row["gflops"] = chunk_flops(1, T, H, K, V) / row["chunk"] / 1e9
     return row
 
@@ -128,35 +149,49 @@ def fmt_x(num: float | None, den: float | None) -> str:
 
 def table(rows: list[dict], mm: float) -> list[str]:
     head = (
-        "| T | k3 chunk fwd ms | GFLOP/s (% of matmul) | k3 chunk fwd+bwd ms (÷ fwd) "
-        "| autograd through the chunk fwd+bwd ms | hand-written vs autograd | k3 recurrent ms "
-        "| fla naive_recurrent ms | fla naive_chunk ms | recurrent autograd fwd+bwd ms "
-        "| chunk vs fla recurrent | chunk vs fla chunk | fwd+bwd vs recurrent autograd |"
+        "| T | gate (mean, min) | k3 chunk fwd ms | GFLOP/s (% of matmul) | k3 chunk fwd+bwd ms (÷ fwd) "
+        "| decode step µs | k3 recurrent ms | fla naive_recurrent ms | fla naive_chunk ms "
+        "| chunk vs fla recurrent | chunk vs fla chunk |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         g = r.get
         lines.append(
-            f"| {r['T']} | {fmt_ms(r['chunk'])} | {r['gflops']:.1f} ({100 * r['gflops'] / mm:.0f}%) "
-            f"| {fmt_ms(r['chunk_fwd_bwd'])} ({r['chunk_fwd_bwd'] / r['chunk']:.1f}×) "
-            f"| {fmt_ms(r['chunk_autograd_fwd_bwd'])} | {fmt_x(r['chunk_autograd_fwd_bwd'], r['chunk_fwd_bwd'])} "
-            f"| {fmt_ms(r['recurrent'])} | {fmt_ms(g('fla_recurrent'))} "
-            f"| {fmt_ms(g('fla_chunk'))} | {fmt_ms(g('recurrent_fwd_bwd'))} "
-            f"| {fmt_x(g('fla_recurrent'), r['chunk'])} | {fmt_x(g('fla_chunk'), r['chunk'])} "
-            f"| {fmt_x(g('recurrent_fwd_bwd'), r['chunk_fwd_bwd'])} |"
+            f"| {r['T']} | {r['regime']} ({r['g_mean']:.2f}, {r['g_min']:.1f}) | {fmt_ms(r['chunk'])} "
+            f"| {r['gflops']:.1f} ({100 * r['gflops'] / mm:.0f}%) "
+            f"| {fmt_ms(r['chunk_fwd_bwd'])} ({r['chunk_fwd_bwd'] / r['chunk']:.1f}×) | {r['decode'] * 1e6:,.0f} "
+            f"| {fmt_ms(r['recurrent'])} | {fmt_ms(g('fla_recurrent'))} | {fmt_ms(g('fla_chunk'))} "
+            f"| {fmt_x(g('fla_recurrent'), r['chunk'])} | {fmt_x(g('fla_chunk'), r['chunk'])} |"
         )
+    return lines
+
+
+def flatness(rows: list[dict]) -> list[str]:
+    """Per T: the slowest regime over the fastest, for the forward, forward+backward and decode step."""
+    lines = [
+        "| T | fwd slowest ÷ fastest | fwd+bwd slowest ÷ fastest | decode slowest ÷ fastest |",
+        "|---|---|---|---|",
+    ]
+    for T in sorted({r["T"] for r in rows}):
+        cells = []
+        for key in ("chunk", "chunk_fwd_bwd", "decode"):
+            vals = {r["regime"]: r[key] for r in rows if r["T"] == T}
+            hi, lo = max(vals, key=vals.get), min(vals, key=vals.get)
+            cells.append(f"{vals[hi] / vals[lo]:.2f} ({hi} ÷ {lo})")
+        lines.append(f"| {T} | " + " | ".join(cells) + " |")
     return lines
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--T", type=int, nargs="+", default=[4096])
+    p.add_argument("--regimes", nargs="+", choices=REGIMES, default=list(REGIMES))
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128, help="K = V")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="T=1024 only, 3 repeats")
-    p.add_argument("--markdown", action="store_true", help="print the markdown table for docs/benchmarks.md")
+    p.add_argument("--markdown", action="store_true", help="print the markdown tables for docs/benchmarks.md")
     args = p.parse_args(argv)
     if args.quick:
         args.T, args.repeats = [1024], 3
@@ -171,20 +206,26 @@ def main(argv: list[str] | None = None) -> None:
 
     H, D = args.heads, args.head_dim
     mm = matmul_gflops(args.repeats)
-    cpu = platform.processor() or platform.machine()
-    print(f"KDA op, B=1 H={H} K=V={D} fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, {cpu}")
+    print(f"KDA op, B=1 H={H} K=V={D} fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, {cpu()}")
     print(f"fp32 matmul (2048²): {mm:.1f} GFLOP/s")
     rows = []
     for T in args.T:
-        row = bench(T, H, D, D, args.repeats, fla)
-        rows.append(row)
-        err = f", chunk vs fla recurrent rel. error {row['err_vs_fla']:.1e}" if "err_vs_fla" in row else ""
-        print(f"T={T}: chunk {fmt_ms(row['chunk'])} ms, {row['gflops']:.1f} GFLOP/s{err}", flush=True)
+        for regime in args.regimes:
+            row = bench(regime, T, H, D, D, args.repeats, fla)
+            rows.append(row)
+            err = f", vs fla recurrent rel. error {row['err_vs_fla']:.1e}" if "err_vs_fla" in row else ""
+            print(
+                f"T={T} {regime}: chunk {fmt_ms(row['chunk'])} ms, fwd+bwd {fmt_ms(row['chunk_fwd_bwd'])} ms, "
+                f"decode {row['decode'] * 1e6:.0f} µs{err}",
+                flush=True,
+            )
     print()
     print("\n".join(table(rows, mm)))
+    print()
+    print("\n".join(flatness(rows)))
     if args.markdown:
         print(
-            f"\n{datetime.date.today()}, {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+            f"\n{datetime.date.today()}, {cpu()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
             f"fp32 matmul {mm:.1f} GFLOP/s; times are medians of {args.repeats} runs (2 for runs over {SLOW_S} s)"
         )
 

@@ -14,7 +14,6 @@ cache off), medians of rounds that alternate the two models.
 
 import argparse
 import datetime
-import platform
 import statistics
 import tempfile
 import time
@@ -27,21 +26,7 @@ from k3.hub import export_model
 from k3.model.quantization import routed_expert_bytes, routed_expert_numel
 from k3.serve.llm import LLM
 from k3.serve.sampling import SamplingParams
-
-
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        text = info.read_text()
-        name = next(
-            (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
-            platform.machine(),
-        )
-        flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-        avx512 = "AVX-512" if "avx512f" in flags else "no AVX-512"
-        kernels = torch.backends.cpu.get_cpu_capability()
-        return f"{name} ({platform.machine()}, {avx512}; torch's CPU kernels: {kernels})"
-    return platform.processor() or platform.machine()
+from machine import cpu as cpu_name
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -38,7 +38,7 @@ from k3.serve.sampling import SamplingParams
 from k3.train.trainer import TrainArgs, Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from packed_experts import cpu_name
+from machine import cpu as cpu_name
 
 
 def trainers(args: argparse.Namespace, work: Path) -> dict[str, Trainer]:

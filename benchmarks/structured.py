@@ -16,7 +16,6 @@ random model in its strings; a required 500-character string keeps every step on
 
 import argparse
 import json
-import platform
 import statistics
 import sysconfig
 import time
@@ -31,6 +30,7 @@ from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
 from k3.structured import CompiledGrammar, GrammarMatcher, Json, Vocabulary
 from k3.train.corpus import load_corpus
+from machine import cpu as cpu_name
 
 TOOL = {
     "type": "object",
@@ -60,19 +60,6 @@ OBJECT_DOCUMENT = {
     "comment": "Please leave the parcel at the door — thanks! 🙂",
 }
 GRAMMARS = {"json_object": (Json({"type": "object"}), OBJECT_DOCUMENT), "tool schema": (Json(TOOL), TOOL_DOCUMENT)}
-
-
-def cpu_name() -> str:
-    info = Path("/proc/cpuinfo")
-    name, flags = platform.processor() or platform.machine(), []
-    if info.exists():
-        for line in info.read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-    extensions = [n for f, n in (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("amx_tile", "AMX")) if f in flags]
-    return f"{name}, {torch.get_num_threads()} threads, {', '.join(extensions) or 'no AVX2'}"
 
 
 def big_tokenizer(size: int) -> K3Tokenizer:

@@ -3,9 +3,9 @@
 (a) KDA at T = 65,536 tokens in fp32 with every log-decay g equal to a constant, at the bound (−5), inside
 it (−1) and past it (−8, −20: what an unbounded gate can produce). For each: the in-chunk decayed
 products e^{G_t − G_s} computed as dense matmuls the textbook way (one split e^{G_t}·e^{−G_s} per 64-token
-chunk) and k3's way (a pivot per 32-token block, `_intra_chunk`): the fraction of the products the
-attention uses that came out inf/NaN; then k3's `chunk_kda` (which recomputes a chunk exactly when the
-pivoted split cannot hold it) against the float64 per-token recurrence: finite, relative RMS error, time.
+chunk) and k3's way (pivots at every level of halving the chunk, every factor ≤ 1: `DecayLevels`): the fraction
+of the products the attention uses that came out inf/NaN; then k3's `chunk_kda` against the float64 per-token
+recurrence: finite, relative RMS error, time.
 The same with a gate from the unbounded Kimi Linear form (g = −exp(A_log)·softplus(f + dt_bias)) and
 from K3's bounded form (g = −5·sigmoid(exp(A_log)·(f + dt_bias))) on the same f.
 
@@ -26,7 +26,7 @@ from common import Store, out_dir, parser, save_figure, write_tables
 
 from k3.model.situ import situ
 from k3.ops.kda import chunk_kda, kda_gate, l2norm, naive_recurrent_kda
-from k3.ops.kda.chunk_terms import _intra_chunk
+from k3.ops.kda.decay import DecayLevels
 
 NAME = "bounded_numerics"
 DECAYS = (-1.0, -5.0, -8.0, -20.0)
@@ -51,7 +51,8 @@ def nonfinite_share(q, k, g) -> dict:
     G = gc.cumsum(2)
     textbook = (qc * G.exp()) @ (kc * (-G).exp()).transpose(-1, -2)  # (1, n, C, C)
     used = torch.ones(C, C, dtype=torch.bool).tril()
-    _, pivoted = _intra_chunk(qc, kc, G)
+    pivoted = DecayLevels(G).products([qc], kc)[0]
+    pivoted.diagonal(dim1=-2, dim2=-1).copy_((qc * kc).sum(-1))
     return {
         "textbook": (~torch.isfinite(textbook[..., used])).double().mean().item(),
         "pivoted": (~torch.isfinite(pivoted[..., used])).double().mean().item(),
@@ -155,7 +156,7 @@ def report(out, store, T: int) -> None:
     consts = [store.get(f"kda/{T}/const{d}") for d in DECAYS]
     steep = [-d for d in DECAYS]
     ax.plot(steep, [100 * r["textbook"] for r in consts], "o-", label="textbook split e^G·e^-G (64-token chunk)")
-    ax.plot(steep, [100 * r["pivoted"] for r in consts], "s-", label="k3 pivoted split (32-token blocks)")
+    ax.plot(steep, [100 * r["pivoted"] for r in consts], "s-", label="k3 pivoted split (halving, factors ≤ 1)")
     ax.axvline(5, color="grey", ls=":", lw=0.8)
     ax.text(5.2, 50, "K3's bound", color="grey")
     ax.set(

@@ -15,100 +15,13 @@ dU = du, dW = −du Sᵀ. Then through the chunk-parallel terms (recomputed, not
     U = M βv, W = M β(kΓ), M = (I + βAkk)⁻¹:   dM = (dU vᵀ + dW (kΓ)ᵀ) diag β,   d(βAkk) = −Mᵀ dM Mᵀ
     Akk_ts = Σ_c k_tc k_sc e^{G_tc − G_sc}, Aqk likewise with q_t: their gradients are the same decayed
     products, Σ_s dA_ts k_s e^{G_t − G_s} (rows) and Σ_t dA_ts q_t e^{G_t − G_s} (columns), computed with
-    the forward's pivoted blocks; G's gradient from them is q ⊙ (row term) − k ⊙ (column term).
+    the forward's factors (decay.py); G's gradient from them is q ⊙ (row term) − k ⊙ (column term).
     G = cumsum(g), so dg is the reverse cumulative sum of dG.
 """
 
 import torch
 
-from k3.ops.kda.chunk_terms import (
-    SAFE_EXP,
-    SUB,
-    chunk_groups,
-    chunk_terms,
-    chunked,
-    floored_exp,
-    group_inputs,
-    sequence_chunks,
-    unchunked,
-)
-
-RISKY_EXP = 40.0
-
-
-class Decay:
-    """The pivoted per-channel factors of one group's chunks, computed once and shared by the four
-    decayed products of the backward (rows and columns of dAkk and dAqk).
-
-    Row blocks of SUB tokens: a block's own columns pivoted at its middle token p (factors e^{G − p}
-    and e^{p − G}, within e^{SAFE_EXP} or the exact path is taken), earlier columns at the block's
-    first token r (e^{G_t − r} and e^{r − G_s}, both ≤ 1), as the forward's `_intra_chunk`. A product
-    whose intermediate still overflows (a gradient entry above ~1e3 against an e^80 factor) is
-    recomputed exactly.
-    """
-
-    def __init__(self, G: torch.Tensor):
-        BH, n, C, K = G.shape
-        self.G, self.sub = G, min(SUB, C)
-        self.nb, mid = C // self.sub, self.sub // 2
-        Gb = G.view(BH, n, self.nb, self.sub, K)
-        diff = Gb - Gb[:, :, :, mid : mid + 1]  # (BH, n, nb, sub, K)
-        spread = float(torch.maximum(diff.amax(), diff.amin().neg())) if C else 0.0
-        self.exact = spread > SAFE_EXP
-        # below e^40 a pivoted intermediate overflows fp32 only for entries above ~1e20: the finiteness
-        # check (a pass over the result) is kept for steeper gates
-        self.check = spread > RISKY_EXP
-        if self.exact:
-            return
-        self.up, self.down = torch.exp(diff), diff.neg_().exp_()  # e^{G − p}, e^{p − G}
-        self.rows, self.cols = [], []  # per row block i ≥ 1: e^{G_t − r_i} (its rows), e^{r_i − G_s} (s < i·sub)
-        for i in range(1, self.nb):
-            start = G[:, :, i * self.sub : i * self.sub + 1]
-            self.rows.append(floored_exp(Gb[:, :, i] - start))
-            self.cols.append(floored_exp(start - G[:, :, : i * self.sub]))
-
-    def _blocks(self, D: torch.Tensor) -> torch.Tensor:
-        BH, n = D.shape[:2]
-        return D.view(BH, n, self.nb, self.sub, self.nb, self.sub).diagonal(dim1=2, dim2=4).movedim(-1, 2)
-
-    def rows_of(self, D: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
-        """R_t = Σ_{s ≤ t} D_ts · Y_s ⊙ e^{G_t − G_s}; D (BH, n, C, C) lower triangular, Y (BH, n, C, K)."""
-        if self.exact:
-            return _decayed_exact(D, Y, self.G, "bts,bsc,btsc->btc")
-        BH, n, C, K = Y.shape
-        sub = self.sub
-        out = self.up * (self._blocks(D) @ (Y.view(BH, n, self.nb, sub, K) * self.down))
-        for i in range(1, self.nb):
-            earlier = D[:, :, i * sub : (i + 1) * sub, : i * sub] @ (Y[:, :, : i * sub] * self.cols[i - 1])
-            out[:, :, i] += self.rows[i - 1] * earlier
-        out = out.view(BH, n, C, K)
-        return out if not self.check or torch.isfinite(out).all() else _decayed_exact(D, Y, self.G, "bts,bsc,btsc->btc")
-
-    def cols_of(self, D: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-        """Q_s = Σ_{t ≥ s} D_ts · X_t ⊙ e^{G_t − G_s}: the same factors, read the other way round."""
-        if self.exact:
-            return _decayed_exact(D, X, self.G, "bts,btc,btsc->bsc")
-        BH, n, C, K = X.shape
-        sub = self.sub
-        out = self.down * (self._blocks(D).transpose(-1, -2) @ (X.view(BH, n, self.nb, sub, K) * self.up))
-        out = out.view(BH, n, C, K)
-        for i in range(1, self.nb):
-            later = D[:, :, i * sub : (i + 1) * sub, : i * sub].transpose(-1, -2) @ (
-                X[:, :, i * sub : (i + 1) * sub] * self.rows[i - 1]
-            )
-            out[:, :, : i * sub] += self.cols[i - 1] * later
-        return out if not self.check or torch.isfinite(out).all() else _decayed_exact(D, X, self.G, "bts,btc,btsc->bsc")
-
-
-def _decayed_exact(D: torch.Tensor, Y: torch.Tensor, G: torch.Tensor, formula: str) -> torch.Tensor:
-    """A decayed product with the per-channel factor materialised, one chunk at a time to bound memory
-    (steep unbounded gates only)."""
-    out = []
-    for j in range(Y.shape[1]):
-        Gj = G[:, j]
-        E = floored_exp((Gj.unsqueeze(2) - Gj.unsqueeze(1)).clamp(max=0))  # (BH, t, s, K)
-        out.append(torch.einsum(formula, D[:, j], Y[:, j], E))
-    return torch.stack(out, dim=1)
+from k3.ops.kda.chunk_terms import chunk_groups, chunk_terms, chunked, group_inputs, sequence_chunks, unchunked
 
 
 def terms_backward(t, dU, dW, dAqk, dqd, dkd, d_decay_end, scale):
@@ -126,7 +39,7 @@ def terms_backward(t, dU, dW, dAqk, dqd, dkd, d_decay_end, scale):
     dbeta = dbeta + (dL * t.Akk).sum(-1)
     dAkk = dL * t.bc
 
-    decay = Decay(t.G)
+    decay = t.levels
     dq = decay.rows_of(dAqk, t.kc)  # the decayed products are fresh tensors: the sums below accumulate into them
     dk_from_q = decay.cols_of(dAqk, t.qc)
     dk = decay.rows_of(dAkk, t.kc)

@@ -4,6 +4,7 @@ state, optionally updating a caller-owned state tensor (or rows of a state pool)
 import torch
 
 from k3.ops.kda.backend import KernelContractError, kernels, on_device, resolve
+from k3.ops.kda.decay import floored_exp
 from k3.ops.kda.inputs import KDAFlags, check_inputs, compute_dtype, prepare, seq_bounds
 
 
@@ -115,7 +116,7 @@ def fused_recurrent_kda(
     owned = not grad and (h0 is None or inplace_final_state or ssm_state_indices is not None)
     o = []
     for t in range(T):
-        d = g[:, t].exp()  # (B, HV, K)
+        d = floored_exp(g[:, t])  # (B, HV, K); floored so a steep unbounded gate never makes S subnormal
         kb = k[:, t] * beta[:, t, :, None]  # (B, HV, K)
         # S_t = D S + (βk)ᵀ e with e = v − (k⊙d) S, the value minus the decayed memory's prediction;
         # so q S_t = (q⊙d) S + (q·βk) e: both read-outs come from the previous S in one matmul
