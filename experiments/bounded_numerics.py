@@ -26,7 +26,7 @@ from common import Store, out_dir, parser, save_figure, write_tables
 
 from k3.model.situ import situ
 from k3.ops.kda import chunk_kda, kda_gate, l2norm, naive_recurrent_kda
-from k3.ops.kda.decay import DecayLevels
+from k3.ops.kda.decay import LOG2E, DecayLevels
 
 NAME = "bounded_numerics"
 DECAYS = (-1.0, -5.0, -8.0, -20.0)
@@ -51,7 +51,7 @@ def nonfinite_share(q, k, g) -> dict:
     G = gc.cumsum(2)
     textbook = (qc * G.exp()) @ (kc * (-G).exp()).transpose(-1, -2)  # (1, n, C, C)
     used = torch.ones(C, C, dtype=torch.bool).tril()
-    pivoted = DecayLevels(G).products([qc], kc)[0]
+    pivoted = DecayLevels(G * LOG2E).products([qc], kc)[0]  # the levels take G in bits
     pivoted.diagonal(dim1=-2, dim2=-1).copy_((qc * kc).sum(-1))
     return {
         "textbook": (~torch.isfinite(textbook[..., used])).double().mean().item(),

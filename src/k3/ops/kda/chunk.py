@@ -62,31 +62,28 @@ def chunk_kda_fwd(
     NC = -(-T // C)
     seq_chunks, first, last, h0 = sequence_chunks(seq_chunks, NC, initial_state, B, H, K, V)
     zeros = q.new_zeros(B * H, K, V)
-    S, finals, outs, starts = zeros, list(h0), [], []
+    S, finals = zeros, list(h0)
+    o = q.new_empty(B, T, H, V)
+    # the state entering every chunk: written in place by the recursion (the backward and prefix caches read it)
+    starts = q.new_empty(B * H, NC, K, V) if keep_starts else None
     for c0, c1 in chunk_groups(B, H, C, K, V, NC):
         t = chunk_terms(*group_inputs((q, k, v, g, beta), c0, c1, C, T), scale, C)
-        group_starts, us = [], []
+        S_n = starts[:, c0:c1] if keep_starts else q.new_empty(B * H, c1 - c0, K, V)
+        us = []
         for j in range(c1 - c0):
             n = c0 + j
             if n in first:
                 S = zeros if h0[first[n]] is None else h0[first[n]].reshape(B * H, K, V).to(q.dtype)
-            group_starts.append(S)
+            S_n[:, j] = S
             u = torch.baddbmm(t.U[:, j], t.W[:, j], S, alpha=-1)  # U − W S
             us.append(u)
             S = torch.baddbmm(t.decay_end[:, j] * S, t.kd[:, j].transpose(-1, -2), u)
             if n in last:
                 finals[last[n]] = S
-        S_n = torch.stack(group_starts, dim=1)  # (BH, n, K, V)
-        o = torch.matmul(t.q_decay, S_n).add_(t.Aqk @ torch.stack(us, dim=1))  # (BH, n, C, V)
-        outs.append(unchunked(o, B)[:, : min(T, c1 * C) - c0 * C])
-        if keep_starts:
-            starts.append(S_n)
+        o_n = torch.matmul(t.q_decay, S_n).add_(t.Aqk @ torch.stack(us, dim=1))  # (BH, n, C, V)
+        o[:, c0 * C : min(T, c1 * C)] = unchunked(o_n, B)[:, : min(T, c1 * C) - c0 * C]
 
-    o = torch.cat(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
     final = torch.cat([(zeros if s is None else s.to(q.dtype)).reshape(-1, H, K, V) for s in finals])
-    if not keep_starts:
-        return o, final, None
-    starts = torch.cat(starts, dim=1) if starts else q.new_zeros(B * H, 0, K, V)
     return o, final, starts
 
 

@@ -39,19 +39,16 @@ def terms_backward(t, dU, dW, dAqk, dqd, dkd, d_decay_end, scale):
     dbeta = dbeta + (dL * t.Akk).sum(-1)
     dAkk = dL * t.bc
 
-    decay = t.levels
-    dq = decay.rows_of(dAqk, t.kc)  # the decayed products are fresh tensors: the sums below accumulate into them
-    dk_from_q = decay.cols_of(dAqk, t.qc)
-    dk = decay.rows_of(dAkk, t.kc)
-    dk_cols = decay.cols_of(dAkk, t.kc)
-    # dG = qc·dq_rows + kc·(dk_rows − dk_cols − dk_from_q) + dkG·kΓ + dqd·qΓ − dkd·kd, before dq and dk take
-    # their other terms
+    # the decayed products are fresh tensors: the sums below accumulate into them
+    dq, dk = t.levels.rows_of([dAqk, dAkk], t.kc)
+    dk_cols = t.levels.cols_of([(dAkk, t.kc), (dAqk, t.qc)])  # the columns' terms, from Akk and from Aqk
+    # dG = qc·dq_rows + kc·(dk_rows − dk_cols) + dkG·kΓ + dqd·qΓ − dkd·kd, before dq and dk take their other terms
     dkd_kd = dkd * t.kd
-    dG = torch.mul(t.qc, dq).addcmul_(t.kc, torch.sub(dk, dk_cols).sub_(dk_from_q))
+    dG = torch.mul(t.qc, dq).addcmul_(t.kc, torch.sub(dk, dk_cols))
     dG.addcmul_(dkG, kG).addcmul_(dqd, t.q_decay).sub_(dkd_kd)
     dG[:, :, -1] += dkd_kd.sum(-2) + d_decay_end * t.decay_end.squeeze(-1)
     dq.addcmul_(dqd, t.decay).mul_(scale)
-    dk.add_(dk_cols).add_(dk_from_q).addcmul_(dkG, t.decay).addcmul_(dkd, t.to_end)
+    dk.add_(dk_cols).addcmul_(dkG, t.decay).addcmul_(dkd, t.to_end)
     dg = dG.flip(2).cumsum(2).flip(2)  # G = cumsum(g)
     return dq, dk, dv, dg, dbeta
 

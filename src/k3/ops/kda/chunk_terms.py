@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from k3.ops.kda.decay import DecayLevels, floored_exp, unit_lower_inverse
+from k3.ops.kda.decay import LOG2E, DecayLevels, floored_exp2, floored_exp2_, unit_lower_inverse
 
 # Chunks are processed in groups whose tensors stay near this many elements: large CPU temporaries
 # cost far more per element (fresh pages, cache misses) than ones that stay in cache.
@@ -46,7 +46,7 @@ class ChunkTerms:
     kc: torch.Tensor  # (BH, n, C, K)
     vc: torch.Tensor  # (BH, n, C, V)
     bc: torch.Tensor  # (BH, n, C, 1) β
-    G: torch.Tensor  # (BH, n, C, K) in-chunk cumulative log-decay
+    G2: torch.Tensor  # (BH, n, C, K) in-chunk cumulative log-decay, in bits (log₂ units)
     levels: DecayLevels  # the pivoted factors of e^{G_t − G_s}, shared by the in-chunk products and their gradients
     decay: torch.Tensor  # (BH, n, C, K) Γ = e^G
     Akk: torch.Tensor  # (BH, n, C, C) strictly lower, without β
@@ -69,19 +69,19 @@ def chunk_terms(q, k, v, g, beta, scale: float, C: int) -> ChunkTerms:
     qc, kc, vc, gc = (chunked(x, C) for x in (q, k, v, g))
     bc = chunked(beta.unsqueeze(-1), C)  # (BH, n, C, 1)
     qc = qc * scale
-    G = gc.cumsum(2)
-    levels = DecayLevels(G)
+    G2 = gc.mul(LOG2E).cumsum_(2)  # in bits: every factor below is an exp2
+    levels = DecayLevels(G2)
     Akk, Aqk = levels.products([kc, qc], kc)
     Aqk.diagonal(dim1=-2, dim2=-1).copy_((qc * kc).sum(-1))  # s = t: the factor is 1
-    decay = floored_exp(G)
+    decay = floored_exp2(G2)
     # WY/UT form: (I + βA)⁻¹ once per chunk, then U = (I + βA)⁻¹ βv and W = (I + βA)⁻¹ βkΓ by matmuls.
     M = unit_lower_inverse(Akk * bc)
     Tinv = M * bc.transpose(-1, -2)
     k_decay = kc * decay
-    to_end = floored_exp(G[:, :, -1:] - G)
+    to_end = floored_exp2_(G2[:, :, -1:] - G2)
     U, W, q_decay, kd = Tinv @ vc, Tinv @ k_decay, qc * decay, kc * to_end
     decay_end = decay[:, :, -1].unsqueeze(-1)
-    return ChunkTerms(qc, kc, vc, bc, G, levels, decay, Akk, Aqk, M, U, W, q_decay, k_decay, to_end, kd, decay_end)
+    return ChunkTerms(qc, kc, vc, bc, G2, levels, decay, Akk, Aqk, M, U, W, q_decay, k_decay, to_end, kd, decay_end)
 
 
 def chunk_groups(B: int, H: int, C: int, K: int, V: int, NC: int) -> list[tuple[int, int]]:

@@ -8,32 +8,46 @@ token; what is left is the diagonal, where the factor is 1. Every pair s < t lie
 product costs log₂C batched matmuls whatever the gate: the same work and the same accuracy for a gate that
 barely decays and for an unbounded one at −20 per token (no exact fallback, no spread to measure).
 
-No factor is subnormal: exponents are floored at FLOOR = 0.35·ln(tiny) (−30.6 in fp32, −248 in fp64), where the
-factor is ≤ e^{−30.6} ≈ 5e-14 of the ≤ 1 factor it stands for: below fp32's resolution (and fp64's floor below
-fp64's). Two floored factors multiply to ≥ e^{−61}, which leaves e^{26} of headroom for the values they scale
-before fp32's normal range ends (e^{−87.3}); BLAS kernels on x86 run 10-70× slower on subnormal operands, and
-exp itself is ~20× slower on results that underflow. `flush` does the same for sums that can fall that low.
+No factor is subnormal: exponents are floored at 0.35·ln(tiny) (−30.6 in fp32, −248 in fp64; `floor_bits` in
+base 2), where the factor is ≤ e^{−30.6} ≈ 5e-14 of the ≤ 1 factor it stands for: below fp32's resolution (and
+fp64's floor below fp64's). Two floored factors multiply to ≥ e^{−61}, which leaves e^{26} of headroom for the
+values they scale before fp32's normal range ends (e^{−87.3}); BLAS kernels on x86 run 10-70× slower on
+subnormal operands, and exp itself is ~20× slower on results that underflow. `flush` does the same for sums
+that can fall that low.
 """
 
 import math
 
 import torch
 
+LOG2E = 1 / math.log(2)  # G is kept in bits: torch's CPU exp2 runs ~3× faster than its exp (measured, AVX-512)
 
-def floor_exponent(dtype: torch.dtype) -> float:
-    """The smallest exponent a decay factor keeps: 0.35·ln(smallest normal), −30.6 in fp32 (and bf16), −248 in fp64."""
-    return 0.35 * math.log(torch.finfo(dtype).tiny)
+
+def floor_bits(dtype: torch.dtype) -> float:
+    """The smallest exponent (base 2) a decay factor keeps: 0.35·log₂(smallest normal), −44.1 in fp32 (and bf16)
+    (e^−30.6), −358 in fp64."""
+    return 0.35 * math.log2(torch.finfo(dtype).tiny)
+
+
+def floored_exp2_(x: torch.Tensor) -> torch.Tensor:
+    """2^x in place, x floored at floor_bits: for x ≤ 0 that only multiplies factors ≤ 1 (see the module docstring)."""
+    return x.clamp_(min=floor_bits(x.dtype)).exp2_()
+
+
+def floored_exp2(x: torch.Tensor) -> torch.Tensor:
+    """floored_exp2_ into a fresh tensor."""
+    return floored_exp2_(x.clone())
 
 
 def floored_exp(x: torch.Tensor) -> torch.Tensor:
-    """e^x with x floored at floor_exponent: for x ≤ 0 that only multiplies factors ≤ 1 (see the module docstring)."""
-    return torch.exp(x.clamp(min=floor_exponent(x.dtype)))
+    """e^x with the same floor, for natural-log inputs (the decode step's per-token gate)."""
+    return floored_exp2_(x * LOG2E)
 
 
 def flush(x: torch.Tensor) -> torch.Tensor:
-    """x with entries below e^floor_exponent in magnitude set to zero, in place: for sums of products of ≤ 1 factors
+    """x with entries below 2^floor_bits in magnitude set to zero, in place: for sums of products of ≤ 1 factors
     (the chunk's (I + βA)⁻¹), whose products would otherwise reach the subnormal range."""
-    return x.masked_fill_(x.abs() < math.exp(floor_exponent(x.dtype)), 0)
+    return x.masked_fill_(x.abs() < 2.0 ** floor_bits(x.dtype), 0)
 
 
 def quadrants(A: torch.Tensor, b: int) -> torch.Tensor:
@@ -53,18 +67,20 @@ class DecayLevels:
     """The pivoted factors of one group's chunks, for every level of the halving; computed once and read by the
     forward's two in-chunk products and the backward's four.
 
-    G: (BH, n, C, K) the in-chunk cumulative log-decay, contiguous, C a power of two.
+    G2: (BH, n, C, K) the in-chunk cumulative log-decay in bits (log₂ units), contiguous, C a power of two.
     levels: (b, rows, cols) for b = C, C/2, …, 2: rows (BH, n, C/b, b/2, K) = e^{G_t − r} for the second half's
     tokens t, cols the same shape = e^{r − G_s} for the first half's tokens s, r = G at the second half's first token.
+    Both are halves of one tensor per level, 2^{−|G2 − r2|}: G falls, so that is each half's factor, and it takes one
+    exp2 over the chunk.
     """
 
-    def __init__(self, G: torch.Tensor):
+    def __init__(self, G2: torch.Tensor):
         self.levels = []
-        b = G.shape[2]
+        b = G2.shape[2]
         while b >= 2:
-            Gb = halves(G, b)
-            r = Gb[:, :, :, 1, :1]  # (BH, n, C/b, 1, K)
-            self.levels.append((b, floored_exp(Gb[:, :, :, 1] - r), floored_exp(r - Gb[:, :, :, 0])))
+            Gb = halves(G2, b)
+            factors = floored_exp2_((Gb - Gb[:, :, :, 1:, :1]).abs_().neg_())  # (BH, n, C/b, 2, b/2, K)
+            self.levels.append((b, factors[:, :, :, 1], factors[:, :, :, 0]))
             b //= 2
 
     def products(self, xs: list[torch.Tensor], y: torch.Tensor) -> list[torch.Tensor]:
@@ -87,25 +103,34 @@ class DecayLevels:
                 quadrants(A, b).copy_(parts[:, :, :, i])
         return out
 
-    def rows_of(self, D: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """R_t = Σ_{s ≤ t} D_ts · y_s ⊙ e^{G_t − G_s}; D (BH, n, C, C) lower triangular, y (BH, n, C, K)."""
-        out = D.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * y
+    def rows_of(self, Ds: list[torch.Tensor], y: torch.Tensor) -> list[torch.Tensor]:
+        """For each D: R_t = Σ_{s ≤ t} D_ts · y_s ⊙ e^{G_t − G_s}; each D (BH, n, C, C) lower triangular,
+        y (BH, n, C, K). The Ds share one matmul per level (their quadrants stacked as rows against y's columns)."""
+        BH, n, C, K = y.shape
+        m = len(Ds)
+        outs = [D.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * y for D in Ds]
         for b, rows, cols in self.levels:
-            part = quadrants(D, b) @ (halves(y, b)[:, :, :, 0] * cols)  # (BH, n, C/b, b/2, K)
-            halves(out, b)[:, :, :, 1].addcmul_(rows, part)
-        return out
+            h = b // 2
+            Dq = torch.cat([quadrants(D, b) for D in Ds], dim=-2)  # (BH, n, C/b, m·h, h)
+            parts = (Dq @ (halves(y, b)[:, :, :, 0] * cols)).view(BH, n, C // b, m, h, K)
+            for i, out in enumerate(outs):
+                halves(out, b)[:, :, :, 1].addcmul_(rows, parts[:, :, :, i])
+        return outs
 
-    def cols_of(self, D: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Q_s = Σ_{t ≥ s} D_ts · x_t ⊙ e^{G_t − G_s}: the same factors, read the other way round."""
-        out = D.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * x
+    def cols_of(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Σ over (D, x) pairs of Q_s = Σ_{t ≥ s} D_ts · x_t ⊙ e^{G_t − G_s}: the same factors, read the other way
+        round; the pairs' terms are summed inside one matmul per level (contracting over both D's rows)."""
+        out = sum(D.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * x for D, x in pairs)
         for b, rows, cols in self.levels:
-            part = quadrants(D, b).transpose(-1, -2) @ (halves(x, b)[:, :, :, 1] * rows)
-            halves(out, b)[:, :, :, 0].addcmul_(cols, part)
+            Dq = torch.cat([quadrants(D, b) for D, _ in pairs], dim=-2)  # (BH, n, C/b, m·h, h)
+            xr = torch.cat([halves(x, b)[:, :, :, 1] * rows for _, x in pairs], dim=-2)  # (BH, n, C/b, m·h, K)
+            halves(out, b)[:, :, :, 0].addcmul_(cols, Dq.transpose(-1, -2) @ xr)
         return out
 
 
 def unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
-    """(I + L)⁻¹ for a strictly lower triangular L (BH, n, C, C), C a power of two, by the same halving.
+    """(I + L)⁻¹ for a strictly lower triangular L (BH, n, C, C), C a power of two, by the same halving; L is
+    flushed in place (pass a temporary).
 
     A b-block [[A, 0], [B, D]] (A, D its diagonal halves, B the quadrant of L) inverts to [[A⁻¹, 0], [−D⁻¹BA⁻¹, D⁻¹]],
     so the inverse is built bottom-up from the 1×1 blocks (ones) in log₂C levels of two matmuls. Every product is
@@ -113,7 +138,7 @@ def unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
     which for a steep gate fall through the subnormal range (a triangular solve computes them there, slowly).
     """
     BH, n, C, _ = L.shape
-    L = flush(L.clone())
+    L = flush(L)
     M = torch.eye(C, dtype=L.dtype, device=L.device).expand(BH, n, C, C).contiguous()
     b = 2
     while b <= C:
