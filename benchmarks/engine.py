@@ -46,6 +46,7 @@ from k3.serve.sampling import SamplingParams
 from k3.serve.scheduler import SchedulerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gates import trained_like_gates
 from machine import cpu as cpu_name
 from train_step import llama_like  # the peer of the training benchmark, unchanged
 
@@ -370,6 +371,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-batched-tokens", type=int, default=4096, help="the throughput engine's token budget")
     p.add_argument("--plot", default=str(ROOT / "docs" / "serving_memory.png"))
+    p.add_argument(
+        "--gates",
+        choices=["trained", "init"],
+        default="trained",
+        help="KDA gates: trained-like (g = −5·sigmoid(N(0,1)), the regime a trained model runs in; default) "
+        "or as initialised (g ≈ 0, what earlier tables measured)",
+    )
     args = p.parse_args()
     args.requests, args.prompt, args.output = (16, 128, 32) if args.quick else (64, 256, 128)
     args.contexts = [1024, 4096] if args.quick else [1024, 4096, 16384]
@@ -385,6 +393,10 @@ def main() -> None:
     config = K3Config.from_preset("small")
     report = param_report(config, context=args.prompt)
     k3 = K3Model(config).eval()
+    gates = "KDA gates as initialised (g ≈ 0)"
+    if args.gates == "trained":
+        gates = trained_like_gates(k3, torch.randint(0, config.vocab_size, (4, 256)))
+    print(gates)
     lcfg = llama_like(report["active"], config)
     lcfg.max_position_embeddings = max(args.contexts) + 256
     llama = LlamaForCausalLM(lcfg).eval()
@@ -523,7 +535,7 @@ def main() -> None:
     if args.markdown:
         print(
             f"{datetime.date.today()}, {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, fp32, random weights. K3 small "
+            f"transformers {transformers.__version__}, fp32, random weights; {gates}. K3 small "
             f"({report['active'] / 1e6:.2f}M active) vs `LlamaForCausalLM` ({llama_params / 1e6:.2f}M, "
             f"{lcfg.num_hidden_layers} layers, MLP {lcfg.intermediate_size}). Page pool {POOL_BYTES >> 20} MiB; "
             f"plot: `{Path(args.plot).relative_to(ROOT) if Path(args.plot).is_relative_to(ROOT) else args.plot}`."

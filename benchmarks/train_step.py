@@ -13,17 +13,18 @@ the average context (seq_len / 2) and, for K3, the KDA state updates (k3.model.p
 
 import argparse
 import datetime
-import platform
 import statistics
 import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from gates import trained_like_gates
 from k3 import K3Config, K3Model
 from k3.model.params import param_report
 from k3.train.balance import QuantileBalancer
 from k3.train.optim import build_optimizer
+from machine import cpu
 
 
 def matmul_gflops(repeats: int = 5) -> float:
@@ -105,6 +106,13 @@ def main() -> None:
         help="K3's routed-expert optimiser (k3 train --expert-optimizer); one K3 row for each",
     )
     p.add_argument("--markdown", action="store_true")
+    p.add_argument(
+        "--gates",
+        choices=["trained", "init"],
+        default="trained",
+        help="KDA gates: trained-like (g = −5·sigmoid(N(0,1)), the regime a trained model runs in; default) "
+        "or as initialised (g ≈ 0, what earlier tables measured)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -112,6 +120,10 @@ def main() -> None:
     config = K3Config.from_preset("small")
     report = param_report(config, context=args.seq_len // 2)
     k3_model = K3Model(config)
+    gates = "KDA gates as initialised (g ≈ 0)"
+    if args.gates == "trained":
+        gates = trained_like_gates(k3_model, torch.randint(0, config.vocab_size, (4, 256)))
+    print(gates)
     lcfg = llama_like(report["active"], config)
     llama = LlamaForCausalLM(lcfg)
     llama_params = sum(p.numel() for p in llama.parameters())
@@ -161,9 +173,9 @@ def main() -> None:
     print("\n".join(lines))
     if args.markdown:
         print(
-            f"\n{datetime.date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, torch "
+            f"\n{datetime.date.today()}, {cpu()}, {torch.get_num_threads()} threads, torch "
             f"{torch.__version__}; fp32 matmul {mm:.1f} GFLOP/s; medians of {args.rounds} rounds × "
-            f"{args.steps} steps"
+            f"{args.steps} steps; {gates}"
         )
 
 
