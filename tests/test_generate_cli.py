@@ -150,7 +150,7 @@ def test_suggested_command_passes_a_real_newline(tmp_path):
     script = 'k3() { printf "%s\\0" "$@"; }\n' + line
     got = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.split("\0")[:-1]
     assert got[-1] == "import os\n"
-    assert got[got.index("--ckpt") + 1] == str(tmp_path / "a run")
+    assert got[got.index("--model") + 1] == str(tmp_path / "a run")
 
 
 def test_a_fallback_to_an_older_step_is_reported_once(ckpt, tmp_path, capsys):
