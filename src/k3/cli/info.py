@@ -16,6 +16,7 @@ from k3.model.params import format_report, param_report
 
 def cmd_env(args: argparse.Namespace) -> int:
     """What k3 will run on here: versions, threads, devices, and which KDA backend each device gets."""
+    from k3.ops.kda import cpu_kernel
     from k3.ops.kda.backend import ENV_VAR, describe, fla_kda, fla_version, fla_version_tested
 
     version = fla_version()
@@ -34,6 +35,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         ("flash-linear-attention", fla),
         (ENV_VAR, os.environ.get(ENV_VAR, "unset (auto)")),
         ("KDA backend on cpu", describe("cpu")),
+        ("KDA chunked op on cpu", cpu_kernel.describe()),
     ]
     if torch.cuda.is_available():
         rows.append(("KDA backend on cuda", describe("cuda")))

@@ -23,6 +23,7 @@ The chunk-parallel terms live in chunk_terms.py, which the hand-written backward
 import torch
 
 from k3.ops.autograd import first_derivative_only
+from k3.ops.kda import cpu_kernel
 from k3.ops.kda.backend import kernels, on_device, resolve
 from k3.ops.kda.chunk_bwd import chunk_kda_bwd
 from k3.ops.kda.chunk_terms import chunk_groups, chunk_terms, group_inputs, sequence_chunks, unchunked
@@ -88,33 +89,36 @@ def chunk_kda_fwd(
 
 
 class ChunkKDAFunction(torch.autograd.Function):
-    """chunk_kda_fwd with a hand-written backward (chunk_bwd.py): the chunk start states are kept, the
-    chunk-parallel terms recomputed, and the state recursion run backwards. Inputs as chunk_kda_fwd's."""
+    """The chunked forward with a hand-written backward: the chunk start states are kept, the chunk-parallel terms
+    recomputed, and the state recursion run backwards. On the CPU both passes run in the C++ kernel
+    (cpu_kernel.py) where it is built, else in chunk_kda_fwd / chunk_kda_bwd. Inputs as chunk_kda_fwd's."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, chunk_size, seq_chunks):
-        o, final, starts = chunk_kda_fwd(q, k, v, g, beta, scale, initial_state, chunk_size, seq_chunks)
+        kernel = cpu_kernel.usable(q, chunk_size)
+        fwd = cpu_kernel.chunk_fwd if kernel else chunk_kda_fwd
+        o, final, starts = fwd(q, k, v, g, beta, scale, initial_state, chunk_size, seq_chunks)
         ctx.save_for_backward(q, k, v, g, beta, starts)
-        ctx.config = (scale, chunk_size, seq_chunks, initial_state is not None)
+        ctx.config = (scale, chunk_size, seq_chunks, initial_state is not None, kernel)
         return o, final
 
     @staticmethod
     @first_derivative_only
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, starts = ctx.saved_tensors
-        scale, chunk_size, seq_chunks, has_h0 = ctx.config
-        dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_chunks)
+        scale, chunk_size, seq_chunks, has_h0, kernel = ctx.config
+        bwd = cpu_kernel.chunk_bwd if kernel else chunk_kda_bwd
+        dq, dk, dv, dg, dbeta, dh0 = bwd(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_chunks)
         return dq, dk, dv, dg, dbeta, (dh0 if has_h0 else None), None, None, None
 
 
 def _chunk_fwd(q, k, v, g, beta, scale, h0, chunk_size, seq_chunks=None, chunk_states=False):
     """o, final states and (if chunk_states) the chunk start states; through the hand-written backward
     when a gradient is needed (chunk_states comes only in inference mode, without one)."""
-    if chunk_states:
-        return chunk_kda_fwd(q, k, v, g, beta, scale, h0, chunk_size, seq_chunks)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
         return (*ChunkKDAFunction.apply(q, k, v, g, beta, h0, scale, chunk_size, seq_chunks), None)
-    return chunk_kda_fwd(q, k, v, g, beta, scale, h0, chunk_size, seq_chunks, keep_starts=False)
+    fwd = cpu_kernel.chunk_fwd if cpu_kernel.usable(q, chunk_size) else chunk_kda_fwd
+    return fwd(q, k, v, g, beta, scale, h0, chunk_size, seq_chunks, keep_starts=chunk_states)
 
 
 CHUNK_SIZES = (32, 64)  # what fla's kernels accept; the torch path agrees, so a call never depends on the backend

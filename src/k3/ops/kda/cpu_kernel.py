@@ -1,0 +1,190 @@
+"""The chunked KDA op's C++ CPU kernel (csrc/chunk_kda_cpu.cpp): built on first use, cached, and called through
+two torch.library operators, `k3_kda::chunk_fwd` and `k3_kda::chunk_bwd`, with fake kernels so that torch.compile
+sees each as one node.
+
+The kernel computes what chunk.py / chunk_bwd.py compute (they stay the reference, and the fallback where no C++
+compiler is found), with each chunk's element-wise passes fused while its rows are in cache and its small
+matmuls sent straight to BLAS. It is built once per source, torch version and CPU with torch's
+cpp_extension (g++ with OpenMP, -O3 -march=native) into `$K3_CACHE_DIR/kernels` (default
+`~/.cache/k3/kernels`); a second process loads the built library in well under a second.
+
+K3_KDA_CPU_KERNEL=off selects the reference; the default, auto, uses the kernel where it builds and says why
+not where it does not (`k3 env`).
+"""
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ENV_VAR = "K3_KDA_CPU_KERNEL"
+CHOICES = ("auto", "off")
+SOURCE = Path(__file__).parent / "csrc" / "chunk_kda_cpu.cpp"
+ROW_BLOCK = 16  # the kernel's row block (BS): chunk sizes must be multiples of it
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("K3_CACHE_DIR", Path.home() / ".cache" / "k3")) / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU model and its flags (machines differ between sessions)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        wanted = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "\n".join(sorted(set(wanted)))
+    except OSError:
+        return platform.processor()
+
+
+def _key() -> str:
+    parts = [SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(), _cpu_signature().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-fopenmp"]
+    # -march=native is what makes the channel loops AVX2/AVX-512; the build is keyed by the CPU it ran on
+    if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
+        flags.append("-march=native")
+    return flags
+
+
+# Why the kernel is not in use (None once it is loaded), and how long the build or load took.
+_status: dict[str, object] = {"reason": "not loaded yet", "seconds": None, "built": None}
+
+
+@functools.cache
+def _load() -> bool:
+    """Build (or find) and load the library once per process; False, with the reason in _status, if it cannot."""
+    from torch.utils import cpp_extension
+
+    key = _key()
+    build = cache_dir() / f"chunk_kda_cpu_{key}"
+    built = any(build.glob("*.so"))
+    start = time.perf_counter()
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=f"k3_kda_cpu_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=_flags(),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as error:  # no compiler, no OpenMP, a read-only home: the reference path still works
+        reason = str(error).strip().splitlines()
+        _status["reason"] = f"the C++ kernel did not build ({reason[-1] if reason else type(error).__name__})"
+        warnings.warn(f"k3: KDA runs on its PyTorch reference path: {_status['reason']}", RuntimeWarning, stacklevel=3)
+        return False
+    _status.update(reason=None, seconds=time.perf_counter() - start, built=not built)
+    _register_fakes()
+    return True
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("k3_kda::chunk_fwd")
+    def _(q, k, v, g, beta, scale, chunk_size, h0, seq_first, seq_last, num_seqs, keep_starts):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        starts = q.new_empty(B * H if keep_starts else 0, T // chunk_size, K, V)
+        return v.new_empty(v.shape), q.new_empty(num_seqs, H, K, V), starts
+
+    @torch.library.register_fake("k3_kda::chunk_bwd")
+    def _(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_first, seq_last, num_seqs):
+        H, K = q.shape[2:]
+        new = [x.new_empty(x.shape) for x in (q, k, v, g, beta)]
+        return (*new, q.new_empty(num_seqs, H, K, v.shape[-1]))
+
+
+def choice() -> str:
+    value = os.environ.get(ENV_VAR, "auto")
+    if value not in CHOICES:
+        raise ValueError(f"{ENV_VAR} must be one of {CHOICES}, got {value!r}")
+    return value
+
+
+def usable(x: torch.Tensor, chunk_size: int) -> bool:
+    """Whether the kernel runs a chunked call on tensors like x (prepared: fp32 or fp64 on the CPU)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or chunk_size % ROW_BLOCK:
+        return False
+    return choice() == "auto" and _load()
+
+
+def describe() -> str:
+    """One line for `k3 env`: which implementation the torch path's chunked KDA uses on the CPU, and why."""
+    try:
+        if choice() == "off":
+            return f"PyTorch reference ({ENV_VAR}=off)"
+    except ValueError as error:
+        return f"error: {error}"
+    if not _load():
+        return f"PyTorch reference: {_status['reason']}"
+    how = "built" if _status["built"] else "loaded"
+    return f"C++ kernel ({how} in {_status['seconds']:.1f} s; cache {cache_dir()})"
+
+
+def _require() -> None:
+    if not _load():
+        raise RuntimeError(f"k3's KDA CPU kernel is not available: {_status['reason']}")
+
+
+def _padded(x: torch.Tensor, T: int) -> torch.Tensor:
+    """x (B, T0, ...) zero-padded in time to T, contiguous: neutral tokens (g = 0 keeps the state, β = 0 writes
+    nothing)."""
+    pad = T - x.shape[1]
+    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
+    return x.contiguous()
+
+
+def _sequences(seq_chunks, NC: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per chunk, the packed sequence that starts / ends there (−1 elsewhere); None, None for one per batch row."""
+    if seq_chunks is None:
+        return None, None
+    first = torch.full((NC,), -1, dtype=torch.int64, device=device)
+    last = torch.full((NC,), -1, dtype=torch.int64, device=device)
+    for i, (c0, c1) in enumerate(seq_chunks):
+        if c1 > c0:
+            first[c0], last[c1 - 1] = i, i
+    return first, last
+
+
+def chunk_fwd(q, k, v, g, beta, scale, initial_state, chunk_size, seq_chunks=None, keep_starts=True):
+    """chunk.chunk_kda_fwd's contract, on the kernel: o (B, T, H, V), final (N, H, K, V), starts (B·H, NC, K, V)."""
+    _require()
+    B, T, H, K = q.shape
+    C = chunk_size
+    NC = -(-T // C)
+    padded = [_padded(x, NC * C) for x in (q, k, v, g, beta)]
+    first, last = _sequences(seq_chunks, NC, q.device)
+    N = len(seq_chunks) if seq_chunks is not None else B
+    h0 = None if initial_state is None else initial_state.to(q.dtype).reshape(N, H, K, -1).contiguous()
+    o, final, starts = torch.ops.k3_kda.chunk_fwd(*padded, float(scale), C, h0, first, last, N, keep_starts)
+    return (o[:, :T] if NC * C != T else o), final, (starts if keep_starts else None)
+
+
+def chunk_bwd(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_chunks):
+    """chunk_bwd.chunk_kda_bwd's contract, on the kernel: dq, dk, dv, dg, dβ in the inputs' shapes and dh0."""
+    _require()
+    B, T, H, K = q.shape
+    C = chunk_size
+    NC = starts.shape[1]
+    padded = [_padded(x, NC * C) for x in (q, k, v, g, beta, do.to(q.dtype))]
+    first, last = _sequences(seq_chunks, NC, q.device)
+    N = len(seq_chunks) if seq_chunks is not None else B
+    dfinal = None if dfinal is None else dfinal.to(q.dtype).reshape(N, H, K, -1).contiguous()
+    *grads, dh0 = torch.ops.k3_kda.chunk_bwd(
+        *padded[:5], starts.contiguous(), padded[5], dfinal, float(scale), C, first, last, N
+    )
+    if NC * C != T:
+        grads = [x[:, :T] for x in grads]
+    return (*grads, dh0)

@@ -1,0 +1,171 @@
+"""The chunked KDA op's C++ CPU kernel (k3.ops.kda.cpu_kernel) against its reference, chunk.py / chunk_bwd.py, in
+float64: outputs, final and chunk start states, every gradient and the initial state's, on odd sizes, both chunk
+sizes, packed sequences (an empty one included), with and without an initial state, on every gate regime; and the
+operators' contract (schema, fake kernels) as torch.compile sees them."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.ops.kda import chunk_kda, cpu_kernel, naive_recurrent_kda
+from k3.ops.kda.chunk import chunk_kda_bwd, chunk_kda_fwd
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
+
+
+@pytest.fixture(autouse=True)
+def kernel_on(monkeypatch):
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "auto")
+    assert cpu_kernel.usable(torch.empty(0), 64), cpu_kernel.describe()  # where g++ is, the kernel must build
+
+
+def gate(kind: str, shape, gen) -> torch.Tensor:
+    if kind == "weak":
+        return -0.1 * torch.randn(shape, generator=gen, dtype=torch.float64).sigmoid()
+    if kind == "trained":
+        return -5 * torch.randn(shape, generator=gen, dtype=torch.float64).sigmoid()
+    if kind == "saturated":
+        return torch.full(shape, -5.0, dtype=torch.float64)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)  # Kimi Linear's unbounded gate, to −20
+    return (-(torch.randn(shape[-1], generator=gen, dtype=torch.float64) + 1).exp() * F.softplus(x)).clamp(min=-20)
+
+
+def inputs(B, T, H, K, V, kind, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    beta = torch.randn(B, T, H, generator=gen, dtype=torch.float64).sigmoid()
+    g = gate(kind, (B, T, H, K), gen)
+    return [x.to(dtype) for x in (q, k, v, g, beta)]
+
+
+def close(a, b, tol):
+    scale = b.abs().max().clamp_min(1e-12)
+    assert (a - b).abs().max() <= tol * scale, f"max error {((a - b).abs().max() / scale).item():.2e} > {tol}"
+
+
+CASES = [  # B, T, H, K, V, chunk size, initial state
+    (2, 77, 3, 16, 24, 64, True),
+    (1, 130, 2, 32, 16, 32, False),
+    (3, 64, 1, 8, 40, 64, True),
+    (1, 5, 2, 16, 16, 32, True),
+]
+
+
+@pytest.mark.parametrize("kind", ["weak", "trained", "saturated", "unbounded"])
+@pytest.mark.parametrize("B,T,H,K,V,C,h0", CASES)
+def test_kernel_equals_reference_forward_and_backward(B, T, H, K, V, C, h0, kind):
+    q, k, v, g, beta = inputs(B, T, H, K, V, kind)
+    init = torch.randn(B, H, K, V, dtype=torch.float64) if h0 else None
+    scale = K**-0.5
+    o, final, starts = chunk_kda_fwd(q, k, v, g, beta, scale, init, C)
+    o2, final2, starts2 = cpu_kernel.chunk_fwd(q, k, v, g, beta, scale, init, C)
+    for got, want in ((o2, o), (final2, final), (starts2, starts)):
+        assert got.shape == want.shape and got.dtype == torch.float64
+        close(got, want, 1e-12)
+    do, dfinal = torch.randn_like(o), torch.randn_like(final)
+    want = chunk_kda_bwd(q, k, v, g, beta, starts, do, dfinal, scale, C, None)
+    got = cpu_kernel.chunk_bwd(q, k, v, g, beta, starts, do, dfinal, scale, C, None)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want, strict=True):
+        assert a.shape == b.shape, name
+        close(a, b, 1e-11)
+
+
+@pytest.mark.parametrize("C", [32, 64])
+def test_packed_sequences_with_an_empty_one(C):
+    """Chunk-aligned packed sequences (as chunk_kda lays them out): the state restarts at each sequence's first
+    chunk from its own initial state; an empty sequence's final state is its initial state."""
+    seq_chunks = [(0, 2), (2, 2), (2, 5), (5, 6)]
+    T, H, K, V = 6 * C, 2, 16, 24
+    q, k, v, g, beta = inputs(1, T, H, K, V, "trained", seed=3)
+    init = torch.randn(len(seq_chunks), H, K, V, dtype=torch.float64)
+    o, final, starts = chunk_kda_fwd(q, k, v, g, beta, 0.3, init, C, seq_chunks)
+    o2, final2, starts2 = cpu_kernel.chunk_fwd(q, k, v, g, beta, 0.3, init, C, seq_chunks)
+    close(o2, o, 1e-12), close(final2, final, 1e-12), close(starts2, starts, 1e-12)
+    assert torch.equal(final2[1], init[1])
+    do, dfinal = torch.randn_like(o), torch.randn_like(final)
+    want = chunk_kda_bwd(q, k, v, g, beta, starts, do, dfinal, 0.3, C, seq_chunks)
+    got = cpu_kernel.chunk_bwd(q, k, v, g, beta, starts, do, dfinal, 0.3, C, seq_chunks)
+    for a, b in zip(got, want, strict=True):
+        close(a, b, 1e-11)
+    assert torch.equal(got[-1][1], dfinal[1])  # the empty sequence passes its gradient straight through
+
+
+def test_chunk_kda_runs_the_kernel_by_default_and_the_reference_when_asked(monkeypatch):
+    calls = []
+    for name in ("chunk_fwd", "chunk_bwd"):
+        real = getattr(cpu_kernel, name)
+        monkeypatch.setattr(
+            cpu_kernel, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw)
+        )
+    q, k, v, g, beta = inputs(1, 100, 2, 16, 16, "trained")
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    o, _ = chunk_kda(*leaves, output_final_state=True)
+    o.square().sum().backward()
+    assert calls == ["chunk_fwd", "chunk_bwd"]
+    grads = [x.grad.clone() for x in leaves]
+
+    calls.clear()
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "off")
+    for x in leaves:
+        x.grad = None
+    o2, _ = chunk_kda(*leaves, output_final_state=True)
+    o2.square().sum().backward()
+    assert calls == []
+    close(o.detach(), o2.detach(), 1e-12)
+    for a, x in zip(grads, leaves, strict=True):
+        close(a, x.grad, 1e-11)
+
+
+def test_a_wrong_switch_value_is_named(monkeypatch):
+    monkeypatch.setenv(cpu_kernel.ENV_VAR, "fast")
+    q, k, v, g, beta = inputs(1, 8, 1, 8, 8, "weak")
+    with pytest.raises(ValueError, match="K3_KDA_CPU_KERNEL must be one of"):
+        chunk_kda(q, k, v, g, beta)
+
+
+def test_gradcheck_through_chunk_kda():
+    """Finite differences through the public op with the kernel's backward (the in-kernel flags on, packed)."""
+    q, k, v, g, beta = inputs(1, 37, 1, 8, 8, "trained", seed=5)
+    h0 = torch.randn(2, 1, 8, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 20, 37])
+    args = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+
+    def f(q, k, v, g, beta, h0):
+        flags = dict(output_final_state=True, cu_seqlens=cu, chunk_size=32, use_qk_l2norm_in_kernel=True)
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, **flags)
+
+    assert torch.autograd.gradcheck(f, args, atol=1e-7, fast_mode=True)
+
+
+def test_fp32_kernel_agrees_with_the_float64_recurrence():
+    q, k, v, g, beta = inputs(2, 300, 2, 32, 32, "unbounded", seed=7)
+    want, want_final = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
+    got, final = chunk_kda(*(x.float() for x in (q, k, v, g, beta)), output_final_state=True)
+    close(got.double(), want, 2e-5)
+    close(final.double(), want_final, 2e-5)
+
+
+def test_the_operators_contract():
+    """Schema, fake (meta) kernels and aliasing as torch.compile checks them (torch.library.opcheck)."""
+    q, k, v, g, beta = inputs(1, 64, 2, 16, 8, "trained", dtype=torch.float32)
+    h0 = torch.randn(1, 2, 16, 8)
+    fwd = (q, k, v, g, beta, 0.25, 32, h0, None, None, 1, True)
+    torch.library.opcheck(torch.ops.k3_kda.chunk_fwd.default, fwd, test_utils=("test_schema", "test_faketensor"))
+    o, final, starts = torch.ops.k3_kda.chunk_fwd(*fwd)
+    bwd = (q, k, v, g, beta, starts, torch.randn_like(o), torch.randn_like(final), 0.25, 32, None, None, 1)
+    torch.library.opcheck(torch.ops.k3_kda.chunk_bwd.default, bwd, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_operators_refuse_what_they_cannot_compute():
+    q, k, v, g, beta = inputs(1, 48, 1, 16, 16, "weak", dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of chunk_size"):
+        torch.ops.k3_kda.chunk_fwd(q, k, v, g, beta, 0.25, 32, None, None, None, 1, False)
+    with pytest.raises(RuntimeError, match="float32 or float64"):
+        torch.ops.k3_kda.chunk_fwd(*(x.half() for x in (q, k, v, g, beta)), 0.25, 16, None, None, None, 1, False)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        strided = torch.cat([q, q], dim=-1)[..., :16]
+        torch.ops.k3_kda.chunk_fwd(strided, k, v, g, beta, 0.25, 16, None, None, None, 1, False)
