@@ -1,5 +1,5 @@
-"""KDA op benchmark on gates that decay as trained models' do: k3's chunked and recurrent KDA next to
-flash-linear-attention's PyTorch references, one row per gate regime.
+"""KDA op benchmark on gates that decay as trained models' do: k3's chunked KDA (its C++ CPU kernel and its PyTorch
+reference) and recurrent KDA next to flash-linear-attention's PyTorch references, one row per gate regime.
 
     python benchmarks/kda_op.py                 # B=1, H=4, K=V=128, T=4096, fp32, 2 threads, four gate regimes
     python benchmarks/kda_op.py --T 1024 16384  # other lengths
@@ -17,12 +17,17 @@ loaded from fla/ops/kda/naive.py so Triton is not needed); install fla with
 `pip install --no-deps flash-linear-attention==0.6.0 fla-core==0.6.0 einops`. The decode step is one token of
 `fused_recurrent_kda` updating a (H, K, V) state in place, the state first prefilled with the regime's gate.
 
-GFLOP/s comes from an explicit count of the matmuls the chunked forward executes (`chunk_flops`), beside the
-fp32 matmul rate measured in the same run (a 2048² matmul). Flatness: the slowest regime over the fastest.
+"k3 chunk" is what chunk_kda runs by default on the CPU, the C++ kernel (k3.ops.kda.cpu_kernel); "reference" is
+the same op with K3_KDA_CPU_KERNEL=off, the PyTorch code the kernel is tested against. GFLOP/s comes from an
+explicit count of the matmuls the reference's chunked forward executes (`chunk_flops`; the kernel's own count,
+with its 16-token row blocks and exact pairs, is within 1% of it), beside the fp32 matmul rate measured in the same
+run (a 2048² matmul). Flatness: the slowest regime over the fastest.
 """
 
 import argparse
+import contextlib
 import datetime
+import os
 import statistics
 import sys
 import time
@@ -30,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from k3.ops.kda import chunk_kda, fused_recurrent_kda
+from k3.ops.kda import chunk_kda, cpu_kernel, fused_recurrent_kda
 from k3.ops.kda.backend import fla_naive
 from machine import cpu
 
@@ -122,9 +127,24 @@ def decode_step(inputs, repeats: int) -> float:
         )
 
 
+@contextlib.contextmanager
+def reference():
+    """chunk_kda on its PyTorch reference instead of the C++ kernel."""
+    previous = os.environ.get(cpu_kernel.ENV_VAR)
+    os.environ[cpu_kernel.ENV_VAR] = "off"
+    try:
+        yield
+    finally:
+        os.environ.pop(cpu_kernel.ENV_VAR) if previous is None else os.environ.update({cpu_kernel.ENV_VAR: previous})
+
+
 def bench(regime: str, T: int, H: int, K: int, V: int, repeats: int, fla) -> dict:
     inputs = make_inputs(regime, T, H, K, V)
     row = {"regime": regime, "T": T, "g_mean": inputs[3].mean().item(), "g_min": inputs[3].min().item()}
+    with reference():
+        with torch.no_grad():
+            row["ref"] = timed(lambda: chunk_kda(*inputs), repeats)
+        row["ref_fwd_bwd"] = timed(fwd_bwd(chunk_kda, inputs), repeats)
     with torch.no_grad():
         row["chunk"] = timed(lambda: chunk_kda(*inputs), repeats)
         row["recurrent"] = timed(lambda: fused_recurrent_kda(*inputs), repeats)
@@ -150,6 +170,7 @@ def fmt_x(num: float | None, den: float | None) -> str:
 def table(rows: list[dict], mm: float) -> list[str]:
     head = (
         "| T | gate (mean, min) | k3 chunk fwd ms | GFLOP/s (% of matmul) | k3 chunk fwd+bwd ms (÷ fwd) "
+        "| reference fwd ms | reference fwd+bwd ms | kernel vs reference fwd, fwd+bwd "
         "| decode step µs | k3 recurrent ms | fla naive_recurrent ms | fla naive_chunk ms "
         "| chunk vs fla recurrent | chunk vs fla chunk |"
     )
@@ -159,7 +180,10 @@ def table(rows: list[dict], mm: float) -> list[str]:
         lines.append(
             f"| {r['T']} | {r['regime']} ({r['g_mean']:.2f}, {r['g_min']:.1f}) | {fmt_ms(r['chunk'])} "
             f"| {r['gflops']:.1f} ({100 * r['gflops'] / mm:.0f}%) "
-            f"| {fmt_ms(r['chunk_fwd_bwd'])} ({r['chunk_fwd_bwd'] / r['chunk']:.1f}×) | {r['decode'] * 1e6:,.0f} "
+            f"| {fmt_ms(r['chunk_fwd_bwd'])} ({r['chunk_fwd_bwd'] / r['chunk']:.2f}×) "
+            f"| {fmt_ms(r['ref'])} | {fmt_ms(r['ref_fwd_bwd'])} "
+            f"| {fmt_x(r['ref'], r['chunk'])}, {fmt_x(r['ref_fwd_bwd'], r['chunk_fwd_bwd'])} "
+            f"| {r['decode'] * 1e6:,.0f} "
             f"| {fmt_ms(r['recurrent'])} | {fmt_ms(g('fla_recurrent'))} | {fmt_ms(g('fla_chunk'))} "
             f"| {fmt_x(g('fla_recurrent'), r['chunk'])} | {fmt_x(g('fla_chunk'), r['chunk'])} |"
         )
@@ -207,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     H, D = args.heads, args.head_dim
     mm = matmul_gflops(args.repeats)
     print(f"KDA op, B=1 H={H} K=V={D} fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, {cpu()}")
+    print(f"chunked op on the CPU: {cpu_kernel.describe()}")
     print(f"fp32 matmul (2048²): {mm:.1f} GFLOP/s")
     rows = []
     for T in args.T:

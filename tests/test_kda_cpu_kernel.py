@@ -169,3 +169,23 @@ def test_the_operators_refuse_what_they_cannot_compute():
     with pytest.raises(RuntimeError, match="contiguous"):
         strided = torch.cat([q, q], dim=-1)[..., :16]
         torch.ops.k3_kda.chunk_fwd(strided, k, v, g, beta, 0.25, 16, None, None, None, 1, False)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_both_schedules_equal_the_reference(threads):
+    """Whole heads per thread (1 thread: no barrier between the terms and the recursion) and chunk groups in
+    parallel over (head, chunk) (4 heads on 3 threads), with several chunks a group."""
+    q, k, v, g, beta = inputs(2, 300, 2, 16, 24, "trained", seed=11)
+    init = torch.randn(2, 2, 16, 24, dtype=torch.float64)
+    o, final, starts = chunk_kda_fwd(q, k, v, g, beta, 0.25, init, 32)
+    do, dfinal = torch.randn_like(o), torch.randn_like(final)
+    want = chunk_kda_bwd(q, k, v, g, beta, starts, do, dfinal, 0.25, 32, None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        o2, final2, starts2 = cpu_kernel.chunk_fwd(q, k, v, g, beta, 0.25, init, 32)
+        got = cpu_kernel.chunk_bwd(q, k, v, g, beta, starts, do, dfinal, 0.25, 32, None)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in ((o2, o), (final2, final), (starts2, starts), *zip(got, want, strict=True)):
+        close(a, b, 1e-11)

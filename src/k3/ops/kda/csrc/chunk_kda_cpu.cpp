@@ -68,9 +68,8 @@ inline float exp_f(float x) {
   const float r = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
   const float f = (x - r * 0.693145751953125f) - r * 1.428606765330187e-06f;
   const float p =
-      1.0f +
-      f * (1.0f +
-           f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720 + f * (1.0f / 5040)))))));
+      1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 +
+                                          f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720 + f * (1.0f / 5040)))))));
   const int32_t bits = (static_cast<int32_t>(r) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -103,8 +102,14 @@ struct Rows {
 template <typename T>
 Rows<T> rows_of(const Shape& d, const T* q, const T* k, const T* v, const T* g, const T* beta, int64_t bh, int64_t n) {
   const int64_t b = bh / d.H, h = bh % d.H, t0 = b * d.T + n * d.C;
-  return {q + (t0 * d.H + h) * d.K, k + (t0 * d.H + h) * d.K, v + (t0 * d.H + h) * d.V, g + (t0 * d.H + h) * d.K,
-          beta + t0 * d.H + h, d.H * d.K, d.H * d.V, d.H};
+  return {q + (t0 * d.H + h) * d.K,
+          k + (t0 * d.H + h) * d.K,
+          v + (t0 * d.H + h) * d.V,
+          g + (t0 * d.H + h) * d.K,
+          beta + t0 * d.H + h,
+          d.H * d.K,
+          d.H * d.V,
+          d.H};
 }
 
 // Everything of one chunk that does not depend on its start state (chunk_terms.py's ChunkTerms), in fp32/fp64
@@ -167,7 +172,8 @@ void block_factors(const T* G, int64_t r0, int64_t K, T fl, T* a, T* b) {
 
 // chunk_terms for one chunk of one head.
 template <typename T>
-__attribute__((noinline)) void chunk_terms(const Rows<T>& in, T scale, int64_t C, int64_t K, int64_t V, const Terms<T>& t, Scratch<T>& w) {
+__attribute__((noinline)) void chunk_terms(const Rows<T>& in, T scale, int64_t C, int64_t K, int64_t V,
+                                           const Terms<T>& t, Scratch<T>& w) {
   const T fl = floor_ln<T>();
   const T tiny = exp_f(fl);
   for (int64_t r = 0; r < C; ++r) {
@@ -273,17 +279,76 @@ int64_t group_chunks(const Shape& d) {
   return std::max<int64_t>(1, (int64_t(1) << 20) / per_chunk);
 }
 
+// Whether each thread can take whole heads, every chunk of them in order: no barrier between the chunk-parallel
+// terms and the recursion, and each chunk's terms used while in cache. Otherwise (fewer heads than threads, or an
+// uneven split) chunks are taken in groups, their terms in parallel over (head, chunk), then the recursion by head.
+bool by_head(const Shape& d) {
+  const int64_t threads = at::get_num_threads();
+  return d.BH() % threads == 0 || d.BH() >= 4 * threads;
+}
+
+// One chunk of the forward, given its terms: the state entering it is saved to Sn, u = U − W S (in place on U),
+// the state carried on, S ← Γ_C S + kdᵀ u. The sequence bookkeeping around it is the caller's.
+template <typename T>
+void forward_state_step(const Terms<T>& t, int64_t C, int64_t K, int64_t V, T* S, T* Sn) {
+  std::copy_n(S, K * V, Sn);
+  mm<T>(false, false, C, V, K, -1, t.W, K, S, V, 1, t.U, V);
+  for (int64_t c = 0; c < K; ++c) {
+    const T gc = t.gend[c];
+#pragma omp simd
+    for (int64_t x = 0; x < V; ++x) S[c * V + x] *= gc;
+  }
+  mm<T>(true, false, K, V, C, 1, t.kd, K, t.U, V, 1, S, V);
+}
+
+// o = (qΓ) Sn + Aqk u for one chunk, straight into the (B, T, H, V) output (row stride ldo).
+template <typename T>
+void forward_output(const Terms<T>& t, int64_t C, int64_t K, int64_t V, const T* Sn, T* out, int64_t ldo) {
+  mm<T>(false, false, C, V, K, 1, t.qG, K, Sn, V, 0, out, ldo);
+  mm<T>(false, false, C, V, C, 1, t.Aqk, C, t.U, V, 1, out, ldo);
+}
+
 template <typename T>
 void forward(const Shape& d, const T* q, const T* k, const T* v, const T* g, const T* beta, T scale, const T* h0,
              const Sequences& seqs, T* o, T* final, T* starts) {
-  const int64_t C = d.C, K = d.K, V = d.V, BH = d.BH(), NG = std::min(d.NC, group_chunks(d));
-  const int64_t tsize = Terms<T>::size(C, K, V);
+  const int64_t C = d.C, K = d.K, V = d.V, KV = K * V, BH = d.BH(), tsize = Terms<T>::size(C, K, V);
+  auto enter = [&](int64_t bh, int64_t n, T* S) {  // a sequence starting at chunk n: its initial state, or zeros
+    const int64_t seq = seqs.starts(bh, n);
+    if (seq < 0) return;
+    if (h0)
+      std::copy_n(h0 + (seq * d.H + bh % d.H) * KV, KV, S);
+    else
+      std::fill_n(S, KV, T(0));
+  };
+  auto leave = [&](int64_t bh, int64_t n, const T* S) {
+    const int64_t seq = seqs.ends(bh, n);
+    if (seq >= 0) std::copy_n(S, KV, final + (seq * d.H + bh % d.H) * KV);
+  };
+  auto out_at = [&](int64_t bh, int64_t n) { return o + ((bh / d.H * d.T + n * C) * d.H + bh % d.H) * V; };
+  if (by_head(d)) {
+    at::parallel_for(0, BH, 1, [&](int64_t lo, int64_t hi) {
+      Scratch<T> w(C, K);
+      const Terms<T> t = Terms<T>::at(workspace<T>(0, tsize + 2 * KV), C, K, V);
+      T *S = t.beta + C, *local = S + KV;
+      for (int64_t bh = lo; bh < hi; ++bh)
+        for (int64_t n = 0; n < d.NC; ++n) {
+          chunk_terms(rows_of(d, q, k, v, g, beta, bh, n), scale, C, K, V, t, w);
+          enter(bh, n, S);
+          T* Sn = starts ? starts + (bh * d.NC + n) * KV : local;
+          forward_state_step(t, C, K, V, S, Sn);
+          forward_output(t, C, K, V, Sn, out_at(bh, n), d.H * V);
+          leave(bh, n, S);
+        }
+    });
+    return;
+  }
+  const int64_t NG = std::min(d.NC, group_chunks(d));
   T* terms = workspace<T>(0, NG * BH * tsize);
-  T* local_starts = workspace<T>(1, starts ? 0 : NG * BH * K * V);
-  T* state = workspace<T>(2, BH * K * V);
+  T* local_starts = workspace<T>(1, starts ? 0 : NG * BH * KV);
+  T* state = workspace<T>(2, BH * KV);
   auto terms_at = [&](int64_t bh, int64_t j) { return Terms<T>::at(terms + (bh * NG + j) * tsize, C, K, V); };
   auto start_at = [&](int64_t bh, int64_t n, int64_t j) {
-    return starts ? starts + (bh * d.NC + n) * K * V : local_starts + (bh * NG + j) * K * V;
+    return starts ? starts + (bh * d.NC + n) * KV : local_starts + (bh * NG + j) * KV;
   };
   for (int64_t c0 = 0; c0 < d.NC; c0 += NG) {
     const int64_t n_g = std::min(NG, d.NC - c0);
@@ -294,39 +359,19 @@ void forward(const Shape& d, const T* q, const T* k, const T* v, const T* g, con
         chunk_terms(rows_of(d, q, k, v, g, beta, bh, c0 + j), scale, C, K, V, terms_at(bh, j), w);
       }
     });
-    // the state recursion, one head per task: u = U − W S (in place on U), S ← Γ_C S + kdᵀ u
     at::parallel_for(0, BH, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t bh = lo; bh < hi; ++bh) {
-        T* S = state + bh * K * V;
+      for (int64_t bh = lo; bh < hi; ++bh)
         for (int64_t j = 0; j < n_g; ++j) {
-          const int64_t n = c0 + j, seq_in = seqs.starts(bh, n), seq_out = seqs.ends(bh, n);
-          if (seq_in >= 0) {
-            if (h0)
-              std::copy_n(h0 + (seq_in * d.H + bh % d.H) * K * V, K * V, S);
-            else
-              std::fill_n(S, K * V, T(0));
-          }
-          const Terms<T> t = terms_at(bh, j);
-          std::copy_n(S, K * V, start_at(bh, n, j));
-          mm<T>(false, false, C, V, K, -1, t.W, K, S, V, 1, t.U, V);
-          for (int64_t c = 0; c < K; ++c) {
-            const T gc = t.gend[c];
-#pragma omp simd
-            for (int64_t x = 0; x < V; ++x) S[c * V + x] *= gc;
-          }
-          mm<T>(true, false, K, V, C, 1, t.kd, K, t.U, V, 1, S, V);
-          if (seq_out >= 0) std::copy_n(S, K * V, final + (seq_out * d.H + bh % d.H) * K * V);
+          T* S = state + bh * KV;
+          enter(bh, c0 + j, S);
+          forward_state_step(terms_at(bh, j), C, K, V, S, start_at(bh, c0 + j, j));
+          leave(bh, c0 + j, S);
         }
-      }
     });
-    // o = (qΓ) S + Aqk u, straight into the (B, T, H, V) output
     at::parallel_for(0, BH * n_g, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) {
-        const int64_t bh = i / n_g, j = i % n_g, n = c0 + j, b = bh / d.H, h = bh % d.H;
-        const Terms<T> t = terms_at(bh, j);
-        T* out = o + ((b * d.T + n * C) * d.H + h) * V;
-        mm<T>(false, false, C, V, K, 1, t.qG, K, start_at(bh, n, j), V, 0, out, d.H * V);
-        mm<T>(false, false, C, V, C, 1, t.Aqk, C, t.U, V, 1, out, d.H * V);
+        const int64_t bh = i / n_g, j = i % n_g;
+        forward_output(terms_at(bh, j), C, K, V, start_at(bh, c0 + j, j), out_at(bh, c0 + j), d.H * V);
       }
     });
   }
@@ -335,9 +380,10 @@ void forward(const Shape& d, const T* q, const T* k, const T* v, const T* g, con
 // The gradients of one chunk's terms (chunk_bwd.py's terms_backward), written into the (B, T, H, ·) gradients.
 // dU = du (C, V); dW (C, K); dAqk (C, C) lower; dqd (C, K); dkd (C, K); dgend (K).
 template <typename T>
-__attribute__((noinline)) void terms_backward(const Rows<T>& in, const Terms<T>& t, T scale, int64_t C, int64_t K, int64_t V, const T* dU,
-                    const T* dW, const T* dAqk, const T* dqd, const T* dkd, const T* dgend, T* dq, T* dk, T* dv, T* dg,
-                    T* dbeta, int64_t sb, Scratch<T>& w, T* buf) {
+__attribute__((noinline)) void terms_backward(const Rows<T>& in, const Terms<T>& t, T scale, int64_t C, int64_t K,
+                                              int64_t V, const T* dU, const T* dW, const T* dAqk, const T* dqd,
+                                              const T* dkd, const T* dgend, T* dq, T* dk, T* dv, T* dg, T* dbeta,
+                                              int64_t sb, Scratch<T>& w, T* buf) {
   const T fl = floor_ln<T>();
   T *Tinv = buf, *dTinv = buf + C * C, *X = buf + 2 * C * C, *dL = buf + 3 * C * C, *dAkk = buf + 4 * C * C;
   T *dkG = buf + 5 * C * C, *dqr = dkG + C * K, *dkr = dqr + C * K, *dkc = dkr + C * K, *dG = dkc + C * K;
@@ -443,91 +489,107 @@ __attribute__((noinline)) void terms_backward(const Rows<T>& in, const Terms<T>&
   for (int64_t r = 0; r < C; ++r) dbeta[r * sb] = db[r];
 }
 
+// What the backward keeps of one chunk between its steps: the terms, u (C, V), du (C, V; first Aqkᵀ do),
+// (qΓ)ᵀ do (K, V) and the state's gradient after the chunk (K, V).
+template <typename T>
+struct ChunkGrad {
+  Terms<T> t;
+  T *u, *du, *qdo, *dSa;
+  static int64_t size(int64_t C, int64_t K, int64_t V) { return Terms<T>::size(C, K, V) + 2 * C * V + 2 * K * V; }
+  static ChunkGrad at(T* p, int64_t C, int64_t K, int64_t V) {
+    ChunkGrad c;
+    c.t = Terms<T>::at(p, C, K, V);
+    c.u = p + Terms<T>::size(C, K, V), c.du = c.u + C * V, c.qdo = c.du + C * V, c.dSa = c.qdo + K * V;
+    return c;
+  }
+};
+
 template <typename T>
 void backward(const Shape& d, const T* q, const T* k, const T* v, const T* g, const T* beta, T scale, const T* starts,
               const T* d_o, const T* dfinal, const Sequences& seqs, T* dq, T* dk, T* dv, T* dg, T* dbeta, T* dh0) {
-  const int64_t C = d.C, K = d.K, V = d.V, BH = d.BH(), NG = std::min(d.NC, group_chunks(d));
-  const int64_t tsize = Terms<T>::size(C, K, V), KV = K * V;
-  // per chunk: its terms, u (C, V), du (C, V; first Aqkᵀ do), (qΓ)ᵀ do (K, V) and the state gradient after it (K, V)
-  const int64_t csize = tsize + 2 * C * V + 2 * KV;
+  const int64_t C = d.C, K = d.K, V = d.V, BH = d.BH(), KV = K * V, csize = ChunkGrad<T>::size(C, K, V);
+  auto do_at = [&](int64_t bh, int64_t n) { return d_o + ((bh / d.H * d.T + n * C) * d.H + bh % d.H) * V; };
+  // the chunk-parallel part: its terms, u = U − W S, Aqkᵀ do and (qΓ)ᵀ do
+  auto prepare = [&](int64_t bh, int64_t n, const ChunkGrad<T>& c, Scratch<T>& w) {
+    chunk_terms(rows_of(d, q, k, v, g, beta, bh, n), scale, C, K, V, c.t, w);
+    const T *Sn = starts + (bh * d.NC + n) * KV, *don = do_at(bh, n);
+    std::copy_n(c.t.U, C * V, c.u);
+    mm<T>(false, false, C, V, K, -1, c.t.W, K, Sn, V, 1, c.u, V);
+    mm<T>(true, false, C, V, C, 1, c.t.Aqk, C, don, d.H * V, 0, c.du, V);
+    mm<T>(true, false, K, V, C, 1, c.t.qG, K, don, d.H * V, 0, c.qdo, V);
+  };
+  // backwards through the recursion: du = Aqkᵀ do + kd dS', dS = Γ_C dS' + (qΓ)ᵀ do − Wᵀ du
+  auto recurse = [&](int64_t bh, int64_t n, const ChunkGrad<T>& c, T* dS) {
+    const int64_t seq_out = seqs.ends(bh, n), seq_in = seqs.starts(bh, n);
+    if (seq_out >= 0) {
+      if (dfinal)
+        std::copy_n(dfinal + (seq_out * d.H + bh % d.H) * KV, KV, dS);
+      else
+        std::fill_n(dS, KV, T(0));
+    }
+    std::copy_n(dS, KV, c.dSa);
+    mm<T>(false, false, C, V, K, 1, c.t.kd, K, dS, V, 1, c.du, V);
+    for (int64_t r = 0; r < K; ++r) {
+      const T gc = c.t.gend[r];
+#pragma omp simd
+      for (int64_t x = 0; x < V; ++x) dS[r * V + x] = dS[r * V + x] * gc + c.qdo[r * V + x];
+    }
+    mm<T>(true, false, K, V, C, -1, c.t.W, K, c.du, V, 1, dS, V);
+    if (seq_in >= 0) std::copy_n(dS, KV, dh0 + (seq_in * d.H + bh % d.H) * KV);
+  };
+  // everything else: dAqk = tril(do uᵀ), d(qΓ) = do Sᵀ, dkd = u dS'ᵀ, dΓ_C = Σ_v dS' ⊙ S, dW = −du Sᵀ, then the terms'
+  auto finish = [&](int64_t bh, int64_t n, const ChunkGrad<T>& c, Scratch<T>& w) {
+    T* grads = workspace<T>(1, 3 * C * C + 2 * C * K + K + 5 * C * C + 5 * C * K + C);
+    T* scratch = grads + 3 * C * C + 2 * C * K + K;
+    T *dAqk = grads, *dqd = dAqk + C * C, *dkd = dqd + C * K, *dW = dkd + C * K, *dgend = dW + C * K;
+    const T *Sn = starts + (bh * d.NC + n) * KV, *don = do_at(bh, n);
+    mm<T>(false, true, C, C, V, 1, don, d.H * V, c.u, V, 0, dAqk, C);
+    for (int64_t r = 0; r < C; ++r) std::fill(dAqk + r * C + r + 1, dAqk + (r + 1) * C, T(0));
+    mm<T>(false, true, C, K, V, 1, don, d.H * V, Sn, V, 0, dqd, K);
+    mm<T>(false, true, C, K, V, 1, c.u, V, c.dSa, V, 0, dkd, K);
+    mm<T>(false, true, C, K, V, -1, c.du, V, Sn, V, 0, dW, K);
+    for (int64_t r = 0; r < K; ++r) {
+      T acc = 0;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t x = 0; x < V; ++x) acc += c.dSa[r * V + x] * Sn[r * V + x];
+      dgend[r] = acc;
+    }
+    const int64_t tok = (bh / d.H * d.T + n * C) * d.H + bh % d.H;
+    terms_backward(rows_of(d, q, k, v, g, beta, bh, n), c.t, scale, C, K, V, c.du, dW, dAqk, dqd, dkd, dgend,
+                   dq + tok * K, dk + tok * K, dv + tok * V, dg + tok * K, dbeta + tok, d.H, w, scratch);
+  };
+  if (by_head(d)) {
+    at::parallel_for(0, BH, 1, [&](int64_t lo, int64_t hi) {
+      Scratch<T> w(C, K);
+      T* p = workspace<T>(0, csize + KV);
+      const ChunkGrad<T> c = ChunkGrad<T>::at(p, C, K, V);
+      T* dS = p + csize;
+      for (int64_t bh = lo; bh < hi; ++bh)
+        for (int64_t n = d.NC - 1; n >= 0; --n) {
+          prepare(bh, n, c, w);
+          recurse(bh, n, c, dS);
+          finish(bh, n, c, w);
+        }
+    });
+    return;
+  }
+  const int64_t NG = std::min(d.NC, group_chunks(d));
   T* buf = workspace<T>(0, NG * BH * csize);
   T* dstate = workspace<T>(2, BH * KV);
-  auto base = [&](int64_t bh, int64_t j) { return buf + (bh * NG + j) * csize; };
-  auto u_at = [&](int64_t bh, int64_t j) { return base(bh, j) + tsize; };
-  auto du_at = [&](int64_t bh, int64_t j) { return u_at(bh, j) + C * V; };
-  auto qdo_at = [&](int64_t bh, int64_t j) { return du_at(bh, j) + C * V; };
-  auto dSa_at = [&](int64_t bh, int64_t j) { return qdo_at(bh, j) + KV; };
-  const int64_t last_group = (d.NC - 1) / NG * NG;
-  for (int64_t c0 = last_group; c0 >= 0; c0 -= NG) {
+  auto at_ = [&](int64_t bh, int64_t j) { return ChunkGrad<T>::at(buf + (bh * NG + j) * csize, C, K, V); };
+  for (int64_t c0 = (d.NC - 1) / NG * NG; c0 >= 0; c0 -= NG) {
     const int64_t n_g = std::min(NG, d.NC - c0);
     at::parallel_for(0, BH * n_g, 1, [&](int64_t lo, int64_t hi) {
       Scratch<T> w(C, K);
-      for (int64_t i = lo; i < hi; ++i) {
-        const int64_t bh = i / n_g, j = i % n_g, n = c0 + j, b = bh / d.H, h = bh % d.H;
-        const Terms<T> t = Terms<T>::at(base(bh, j), C, K, V);
-        chunk_terms(rows_of(d, q, k, v, g, beta, bh, n), scale, C, K, V, t, w);
-        const T* Sn = starts + (bh * d.NC + n) * KV;
-        const T* don = d_o + ((b * d.T + n * C) * d.H + h) * V;
-        T* u = u_at(bh, j);
-        std::copy_n(t.U, C * V, u);
-        mm<T>(false, false, C, V, K, -1, t.W, K, Sn, V, 1, u, V);
-        mm<T>(true, false, C, V, C, 1, t.Aqk, C, don, d.H * V, 0, du_at(bh, j), V);
-        mm<T>(true, false, K, V, C, 1, t.qG, K, don, d.H * V, 0, qdo_at(bh, j), V);
-      }
+      for (int64_t i = lo; i < hi; ++i) prepare(i / n_g, c0 + i % n_g, at_(i / n_g, i % n_g), w);
     });
-    // backwards through the recursion: du = Aqkᵀ do + kd dS', dS = Γ_C dS' + (qΓ)ᵀ do − Wᵀ du
     at::parallel_for(0, BH, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t bh = lo; bh < hi; ++bh) {
-        T* dS = dstate + bh * KV;
-        for (int64_t j = n_g - 1; j >= 0; --j) {
-          const int64_t n = c0 + j, seq_out = seqs.ends(bh, n), seq_in = seqs.starts(bh, n);
-          if (seq_out >= 0) {
-            if (dfinal)
-              std::copy_n(dfinal + (seq_out * d.H + bh % d.H) * KV, KV, dS);
-            else
-              std::fill_n(dS, KV, T(0));
-          }
-          const Terms<T> t = Terms<T>::at(base(bh, j), C, K, V);
-          std::copy_n(dS, KV, dSa_at(bh, j));
-          T* du = du_at(bh, j);
-          mm<T>(false, false, C, V, K, 1, t.kd, K, dS, V, 1, du, V);
-          const T* qdo = qdo_at(bh, j);
-          for (int64_t c = 0; c < K; ++c) {
-            const T gc = t.gend[c];
-#pragma omp simd
-            for (int64_t x = 0; x < V; ++x) dS[c * V + x] = dS[c * V + x] * gc + qdo[c * V + x];
-          }
-          mm<T>(true, false, K, V, C, -1, t.W, K, du, V, 1, dS, V);
-          if (seq_in >= 0) std::copy_n(dS, KV, dh0 + (seq_in * d.H + bh % d.H) * KV);
-        }
-      }
+      for (int64_t bh = lo; bh < hi; ++bh)
+        for (int64_t j = n_g - 1; j >= 0; --j) recurse(bh, c0 + j, at_(bh, j), dstate + bh * KV);
     });
-    // everything else, per chunk: dAqk = tril(do uᵀ), d(qΓ) = do Sᵀ, dkd = u dS'ᵀ, dΓ_C = Σ_v dS' ⊙ S, dW = −du Sᵀ
     at::parallel_for(0, BH * n_g, 1, [&](int64_t lo, int64_t hi) {
       Scratch<T> w(C, K);
-      T* grads = workspace<T>(1, 3 * C * C + 2 * C * K + K + 5 * C * C + 5 * C * K + C);
-      T* scratch = grads + 3 * C * C + 2 * C * K + K;
-      T *dAqk = grads, *dqd = dAqk + C * C, *dkd = dqd + C * K, *dW = dkd + C * K, *dgend = dW + C * K;
-      for (int64_t i = lo; i < hi; ++i) {
-        const int64_t bh = i / n_g, j = i % n_g, n = c0 + j, b = bh / d.H, h = bh % d.H;
-        const Terms<T> t = Terms<T>::at(base(bh, j), C, K, V);
-        const T *Sn = starts + (bh * d.NC + n) * KV, *dSa = dSa_at(bh, j), *u = u_at(bh, j), *du = du_at(bh, j);
-        const T* don = d_o + ((b * d.T + n * C) * d.H + h) * V;
-        mm<T>(false, true, C, C, V, 1, don, d.H * V, u, V, 0, dAqk, C);
-        for (int64_t r = 0; r < C; ++r) std::fill(dAqk + r * C + r + 1, dAqk + (r + 1) * C, T(0));
-        mm<T>(false, true, C, K, V, 1, don, d.H * V, Sn, V, 0, dqd, K);
-        mm<T>(false, true, C, K, V, 1, u, V, dSa, V, 0, dkd, K);
-        mm<T>(false, true, C, K, V, -1, du, V, Sn, V, 0, dW, K);
-        for (int64_t c = 0; c < K; ++c) {
-          T acc = 0;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t x = 0; x < V; ++x) acc += dSa[c * V + x] * Sn[c * V + x];
-          dgend[c] = acc;
-        }
-        const int64_t tok = (b * d.T + n * C) * d.H + h;
-        terms_backward(rows_of(d, q, k, v, g, beta, bh, n), t, scale, C, K, V, du, dW, dAqk, dqd, dkd, dgend,
-                       dq + tok * K, dk + tok * K, dv + tok * V, dg + tok * K, dbeta + tok, d.H, w, scratch);
-      }
+      for (int64_t i = lo; i < hi; ++i) finish(i / n_g, c0 + i % n_g, at_(i / n_g, i % n_g), w);
     });
   }
 }
@@ -606,9 +668,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     backward<scalar_t>(d, q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
                        g.const_data_ptr<scalar_t>(), beta.const_data_ptr<scalar_t>(), static_cast<scalar_t>(scale),
                        starts.const_data_ptr<scalar_t>(), d_o.const_data_ptr<scalar_t>(),
-                       dfinal.has_value() ? dfinal->const_data_ptr<scalar_t>() : nullptr, seqs,
-                       dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-                       dg.data_ptr<scalar_t>(), dbeta.data_ptr<scalar_t>(), dh0.data_ptr<scalar_t>());
+                       dfinal.has_value() ? dfinal->const_data_ptr<scalar_t>() : nullptr, seqs, dq.data_ptr<scalar_t>(),
+                       dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), dg.data_ptr<scalar_t>(),
+                       dbeta.data_ptr<scalar_t>(), dh0.data_ptr<scalar_t>());
   });
   return {dq, dk, dv, dg, dbeta, dh0};
 }
