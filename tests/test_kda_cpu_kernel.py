@@ -189,3 +189,27 @@ def test_both_schedules_equal_the_reference(threads):
         torch.set_num_threads(before)
     for a, b in ((o2, o), (final2, final), (starts2, starts), *zip(got, want, strict=True)):
         close(a, b, 1e-11)
+
+
+def test_torch_compile_traces_the_op_as_one_node_each_way():
+    """fullgraph: no graph break from the build, the environment switch or the autograd Function; AOT autograd
+    runs the fake kernels for shapes; values and gradients equal eager's."""
+    from k3.ops.kda.chunk import ChunkKDAFunction
+
+    q, k, v, g, beta = inputs(1, 100, 2, 16, 16, "trained", dtype=torch.float32)
+
+    def f(q, k, v, g, beta):
+        o, final = ChunkKDAFunction.apply(q.sin(), k, v, g, beta, None, 0.25, 64, None)
+        return (o * o).sum() + final.sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (compiled, f):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+        out = fn(*leaves)
+        out.backward()
+        results.append((out.detach(), [x.grad for x in leaves]))
+    (a, ga), (b, gb) = results
+    close(a, b, 1e-6)
+    for x, y in zip(ga, gb, strict=True):
+        close(x, y, 1e-5)

@@ -113,11 +113,22 @@ def choice() -> str:
     return value
 
 
+# torch.compile reads these once while tracing (the build, the file reads and the environment stay out of the graph)
+@torch.compiler.assume_constant_result
+def _enabled() -> bool:
+    return choice() == "auto" and _load()
+
+
+@torch.compiler.assume_constant_result
+def _loaded() -> bool:
+    return _load()
+
+
 def usable(x: torch.Tensor, chunk_size: int) -> bool:
     """Whether the kernel runs a chunked call on tensors like x (prepared: fp32 or fp64 on the CPU)."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or chunk_size % ROW_BLOCK:
         return False
-    return choice() == "auto" and _load()
+    return _enabled()
 
 
 def describe() -> str:
@@ -134,7 +145,7 @@ def describe() -> str:
 
 
 def _require() -> None:
-    if not _load():
+    if not _loaded():
         raise RuntimeError(f"k3's KDA CPU kernel is not available: {_status['reason']}")
 
 
