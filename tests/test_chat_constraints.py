@@ -132,3 +132,25 @@ def test_a_schema_that_cannot_be_enforced_is_refused_by_name():
     tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
     with pytest.raises(ChatFormatError, match=r"tools: tools\[0\]: JSON schema keyword 'minimum'"):
         reply_grammar(thinking=True, tools=[tool], tool_names=frozenset({"f"}), tool_choice="required")
+
+
+def test_what_docs_chat_md_says_is_enforced():
+    """docs/chat.md's account of tool_choice and parallel_tool_calls, one line each."""
+    required_one = reply_grammar(
+        thinking=False, tools=TOOLS, tool_names=NAMES, tool_choice="required", parallel_tool_calls=False
+    )
+    assert accepts(required_one, assistant_reply([call("get_time")], thinking=False))
+    assert not accepts(required_one, assistant_reply([], content="hi", thinking=False))
+    assert not accepts(required_one, assistant_reply([call("get_time"), call("get_time")], thinking=False))
+    # none: a JSON response_format still forces the content, and no tools section may follow it
+    g = reply_grammar(
+        thinking=False, tools=TOOLS, tool_names=frozenset(), tool_choice="none", response_format="json_object"
+    )
+    assert accepts(g, assistant_reply(content="{}", thinking=False))
+    assert not accepts(g, assistant_reply([call("get_time")], content="{}", thinking=False))
+    # auto with parallel_tool_calls true forces nothing; a tool's property schemas are compiled once something is
+    strict = {"type": "object", "properties": {"n": {"type": "integer", "pattern": "x"}}}
+    tools, f = [{"type": "function", "function": {"name": "f", "parameters": strict}}], frozenset({"f"})
+    assert reply_grammar(thinking=True, tools=tools, tool_names=f, tool_choice="auto", parallel_tool_calls=True) is None
+    with pytest.raises(ChatFormatError, match=r"tools: tools\[0\]: JSON schema keyword 'pattern'"):
+        reply_grammar(thinking=True, tools=tools, tool_names=f, tool_choice="auto", response_format="json_object")
