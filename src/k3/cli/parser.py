@@ -11,6 +11,9 @@ from k3.cli.spec import add_train_draft_parser
 from k3.cli.tools import _add_serve_parser, cmd_demo, cmd_export, cmd_plot
 from k3.cli.training import QUICKSTART_DEFAULTS, _add_train_flags, cmd_init, cmd_quickstart, cmd_train
 from k3.config import PRESETS
+from k3.eval_lengths import EVAL_TASKS
+from k3.hub.export import QUANTIZE_FORMATS
+from k3.hub.load import QUANTIZATIONS
 from k3.model.params import DEFAULT_CONTEXT
 
 
@@ -80,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--quantization",
-        choices=["mxfp4"],
+        choices=[q for q in QUANTIZATIONS if q is not None],
         default=None,
         help="keep the routed experts MXFP4-packed in memory and compute from them (a packed folder's bytes as "
         "they are, dense weights packed at load); default: dense",
@@ -130,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument(
         "--task",
         default=None,
-        choices=("retrieval", "multihop", "count", "lm"),
+        choices=EVAL_TASKS,
         help="score by context length instead: a synthetic long-range task (held-out "
         "examples) or lm (nats/token of --data at each length)",
     )
@@ -168,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
     export.add_argument(
         "--quantize",
-        choices=["mxfp4"],
+        choices=[q for q in QUANTIZE_FORMATS if q is not None],
         default=None,
         help="pack the routed experts as the release does (compressed-tensors MXFP4)",
     )

@@ -5,6 +5,7 @@ import os
 import sys
 
 from k3.cli.common import RUN_ERRORS, USER_ERRORS, _device, _fail, _run_error
+from k3.hub.load import QUANTIZATIONS
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -168,7 +169,7 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     srv.add_argument(
         "--quantization",
-        choices=["mxfp4"],
+        choices=[q for q in QUANTIZATIONS if q is not None],
         default=None,
         help="keep the routed experts MXFP4-packed in memory (default: dense)",
     )

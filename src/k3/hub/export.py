@@ -34,6 +34,7 @@ from k3.model.names import RELEASED_A_LOG_SIZE
 
 ARCHITECTURES = {"language_model": "KimiK3ForConditionalGeneration", "model": "KimiK3ForCausalLM"}
 MODEL_TYPE = "kimi_k3"
+QUANTIZE_FORMATS = (None, "mxfp4")  # how routed experts are written: dense, or packed as the release (MXFP4)
 
 
 def mxfp4_quantization_config() -> dict[str, Any]:
@@ -62,7 +63,7 @@ def release_tensors(
     quantize='mxfp4' the routed experts packed."""
     from k3.quant.mx import BLOCK_SIZE, pack_mxfp4
 
-    if quantize not in (None, "mxfp4"):
+    if quantize not in QUANTIZE_FORMATS:
         raise ModelFolderError(f"quantize={quantize!r}: k3 writes only mxfp4 (or nothing)")
     out = {}
     for name, t in state.items():
