@@ -129,6 +129,14 @@ def test_formats_stand_below_their_users():
     }
 
 
+def test_the_checker_sees_deferred_imports_and_circles():
+    """The checker itself: an import inside a function or under TYPE_CHECKING is an edge, and a circle of two
+    modules is found (one that only leads into it is not part of it)."""
+    tree = ast.parse("def f():\n    from k3.b import g\n\nif TYPE_CHECKING:\n    import k3.c\n")
+    assert _imports(tree, "a") == {"b", "b.g", "c"}
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [{"a", "b"}]
+
+
 def test_serving_a_run_folder_loads_no_training_module(tmp_path):
     """LLM(model=RUN) reads the checkpoint and tokenizer through k3.formats: no k3.train module is imported."""
     from k3.cli import main
