@@ -149,3 +149,28 @@ def test_a_seeded_request_draws_the_same_tokens_after_a_preemption(model):
     pressed = run(eng, prompts, params)
     assert eng.scheduler.num_preemptions > 0
     assert {i: o[0] for i, o in pressed.items()} == {i: o[0] for i, o in reference.items()}
+
+
+def test_a_failing_proposal_leaves_its_request_without_proposals(model):
+    """The draft raising for one request (here: any batch holding the max_tokens=11 one) costs that request
+    its proposals, not its life: it decodes a token a step to the same greedy tokens, and the step's other
+    requests keep theirs. Before, the exception left step() and failed every request of the step."""
+    draft = DraftModel(model.config, num_speculative_tokens=3).double()
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    params = [greedy] * len(PROMPTS)
+    params[1] = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
+    reference = run(make(model), PROMPTS, params)
+    eng = make(model, draft)
+    real, proposed = eng.proposer.propose, []
+
+    def propose(seqs, summaries):
+        if any(s.params.max_tokens == 11 for s in seqs):
+            raise ValueError("broken draft")
+        real(seqs, summaries)
+        proposed.extend((s.params.max_tokens, len(s.draft_token_ids)) for s in seqs)
+
+    eng.proposer.propose = propose
+    out = run(eng, PROMPTS, params)
+    assert out == {i: (reference[i][0], "length", None) for i in range(len(PROMPTS))}
+    assert all(n == 10 for n, _ in proposed) and sum(k for _, k in proposed) > 0  # the others did speculate
+    assert eng.spec_stats.verify_steps > 0

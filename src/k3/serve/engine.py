@@ -215,9 +215,27 @@ class LLMEngine:
                     seq.draft_token_ids, seq.draft_probs = [], None
             elif ready:
                 at = torch.tensor([r for _, r in ready], device=out.logits.device)
-                self.proposer.propose([s for s, _ in ready], [f[at] for f in out.summaries])
+                self._propose([s for s, _ in ready], [f[at] for f in out.summaries])
         self.scheduler.step_seconds = 0.9 * self.scheduler.step_seconds + 0.1 * (time.perf_counter() - t0)
         return outputs
+
+    def _propose(self, seqs: list[Sequence], summaries: list[torch.Tensor]) -> None:
+        """The draft's proposals for seqs (summaries: (len(seqs), d) each); a request whose proposing raises
+        goes on with none. Not an error, unlike a failed sampling or verify: a proposal only saves steps, since
+        verification gives greedy and seeded requests the same tokens with or without one (the distribution
+        for the others), and the engine already decodes requests without (grammar rows, spec_max_batch). If the
+        request's own params broke the draft, sampling them next step fails that request alone (_choose)."""
+        try:
+            self.proposer.propose(seqs, summaries)
+            return
+        except Exception:  # one row broke the batch: propose for each alone to find which
+            log.exception("k3 engine: the draft's proposals failed; proposing for each of %d requests", len(seqs))
+        for j, seq in enumerate(seqs):
+            try:
+                self.proposer.propose([seq], [f[j : j + 1] for f in summaries])
+            except Exception as exc:
+                log.warning("k3 engine: request %s decodes without proposals this step (%r)", seq.request_id, exc)
+                seq.draft_token_ids, seq.draft_probs = [], None
 
     def _choose(self, plan: StepPlan, logits: torch.Tensor) -> tuple[list[list[int]], list[list[int]], dict]:
         """The new tokens of every sampled piece (one sampled token; a proposal row's verified tokens) and the
