@@ -22,8 +22,8 @@ The chunk-parallel terms live in chunk_terms.py, which the hand-written backward
 
 import torch
 
+import k3.ops.kda.cpu_kernel as cpu_kernel
 from k3.ops.autograd import first_derivative_only
-from k3.ops.kda import cpu_kernel
 from k3.ops.kda.backend import kernels, on_device, resolve
 from k3.ops.kda.chunk_bwd import chunk_kda_bwd
 from k3.ops.kda.chunk_terms import chunk_groups, chunk_terms, group_inputs, sequence_chunks, unchunked

@@ -117,14 +117,15 @@ Rows<T> rows_of(const Shape& d, const T* q, const T* k, const T* v, const T* g, 
 template <typename T>
 struct Terms {
   T *qs, *kc, *G, *gam, *kG, *qG, *to_end, *kd;  // (C, K): q·scale, k, G, Γ = e^G, kΓ, q·scale·Γ, Γ_C/Γ, kΓ_C/Γ
+  T* eg;                                          // (C, K): e^g, each token's own decay
   T *Akk, *Aqk, *M;                              // (C, C): strictly lower Akk, lower Aqk, (I + βAkk)⁻¹
   T *U, *W;                                      // (C, V) M βv, (C, K) M βkΓ
   T* gend;                                       // (K) Γ_C
   T* beta;                                       // (C) β
-  static int64_t size(int64_t C, int64_t K, int64_t V) { return 9 * C * K + 3 * C * C + C * V + K + C; }
+  static int64_t size(int64_t C, int64_t K, int64_t V) { return 10 * C * K + 3 * C * C + C * V + K + C; }
   static Terms at(T* p, int64_t C, int64_t K, int64_t V) {
     Terms t;
-    for (T** f : {&t.qs, &t.kc, &t.G, &t.gam, &t.kG, &t.qG, &t.to_end, &t.kd}) *f = p, p += C * K;
+    for (T** f : {&t.qs, &t.kc, &t.G, &t.gam, &t.kG, &t.qG, &t.to_end, &t.kd, &t.eg}) *f = p, p += C * K;
     for (T** f : {&t.Akk, &t.Aqk, &t.M}) *f = p, p += C * C;
     t.U = p, p += C * V;
     t.W = p, p += C * K;
@@ -147,10 +148,11 @@ T* workspace(int slot, int64_t n) {
 // Per-thread scratch for the pivoted products: the row block's factors, the columns' factors and operands.
 template <typename T>
 struct Scratch {
-  T *a, *b, *y, *x, *tmp, *tmp2;
+  T *a, *b, *y, *x, *tmp, *tmp2, *f;
   Scratch(int64_t C, int64_t K) {
-    T* p = workspace<T>(3, BS * K + 2 * C * K + 2 * BS * K + C * std::max(C, K) + C * C);
+    T* p = workspace<T>(3, BS * K + 2 * C * K + 2 * BS * K + C * std::max(C, K) + C * C + K);
     a = p, b = a + BS * K, y = b + C * K, x = y + C * K, tmp = x + 2 * BS * K, tmp2 = tmp + C * std::max(C, K);
+    f = tmp2 + C * C;
   }
 };
 
@@ -178,13 +180,14 @@ __attribute__((noinline)) void chunk_terms(const Rows<T>& in, T scale, int64_t C
   const T tiny = exp_f(fl);
   for (int64_t r = 0; r < C; ++r) {
     const T *q = in.q + r * in.sk, *k = in.k + r * in.sk, *g = in.g + r * in.sk;
-    T *qs = t.qs + r * K, *kc = t.kc + r * K, *G = t.G + r * K;
+    T *qs = t.qs + r * K, *kc = t.kc + r * K, *G = t.G + r * K, *eg = t.eg + r * K;
     const T* Gp = r ? G - K : nullptr;
 #pragma omp simd
     for (int64_t c = 0; c < K; ++c) {
       qs[c] = q[c] * scale;
       kc[c] = k[c];
       G[c] = (r ? Gp[c] : T(0)) + g[c];
+      eg[c] = floored_exp(g[c], fl);
     }
     t.beta[r] = in.beta[r * in.sb];
   }
@@ -219,16 +222,21 @@ __attribute__((noinline)) void chunk_terms(const Rows<T>& in, T scale, int64_t C
       mm<T>(false, true, BS, r0, K, 1, w.x, K, w.y, K, 0, t.Akk + r0 * C, C);
       mm<T>(false, true, BS, r0, K, 1, w.x + BS * K, K, w.y, K, 0, t.Aqk + r0 * C, C);
     }
+    // inside the block, e^{G_t − G_s} = max(e^{G_t − G_{s+1}} · e^{g_{s+1}}, floor) walking s down from t: one
+    // multiply a pair and channel instead of an exponential (each factor ≤ 1 and floored, so no product is subnormal)
     for (int64_t tt = r0; tt < r0 + BS; ++tt) {
-      const T *Gt = t.G + tt * K, *kt = t.kc + tt * K, *qt = t.qs + tt * K;
-      for (int64_t s = r0; s < tt; ++s) {
-        const T *Gs = t.G + s * K, *ks = t.kc + s * K;
+      const T *kt = t.kc + tt * K, *qt = t.qs + tt * K;
+      T* f = w.f;
+      std::fill_n(f, K, T(1));
+      for (int64_t s = tt - 1; s >= r0; --s) {
+        const T *e = t.eg + (s + 1) * K, *ks = t.kc + s * K;
         T akk = 0, aqk = 0;
 #pragma omp simd reduction(+ : akk, aqk)
         for (int64_t c = 0; c < K; ++c) {
-          const T f = ks[c] * floored_exp(Gt[c] - Gs[c], fl);
-          akk += kt[c] * f;
-          aqk += qt[c] * f;
+          const T fc = std::max(f[c] * e[c], tiny);
+          f[c] = fc;
+          akk += kt[c] * ks[c] * fc;
+          aqk += qt[c] * ks[c] * fc;
         }
         t.Akk[tt * C + s] = akk;
         t.Aqk[tt * C + s] = aqk;
@@ -384,7 +392,7 @@ __attribute__((noinline)) void terms_backward(const Rows<T>& in, const Terms<T>&
                                               int64_t V, const T* dU, const T* dW, const T* dAqk, const T* dqd,
                                               const T* dkd, const T* dgend, T* dq, T* dk, T* dv, T* dg, T* dbeta,
                                               int64_t sb, Scratch<T>& w, T* buf) {
-  const T fl = floor_ln<T>();
+  const T fl = floor_ln<T>(), tiny = exp_f(fl);
   T *Tinv = buf, *dTinv = buf + C * C, *X = buf + 2 * C * C, *dL = buf + 3 * C * C, *dAkk = buf + 4 * C * C;
   T *dkG = buf + 5 * C * C, *dqr = dkG + C * K, *dkr = dqr + C * K, *dkc = dkr + C * K, *dG = dkc + C * K;
   T* db = dG + C * K;
@@ -436,19 +444,21 @@ __attribute__((noinline)) void terms_backward(const Rows<T>& in, const Terms<T>&
       mm<T>(true, false, r0, K, BS, 1, dAqk + r0 * C, C, x + BS * K, K, 1, tmp, K);
       for (int64_t e = 0; e < r0 * K; ++e) dkc[e] += b[e] * tmp[e];
     }
-    for (int64_t tt = r0; tt < r0 + BS; ++tt) {
-      const T *Gt = t.G + tt * K, *kt = t.kc + tt * K, *qt = t.qs + tt * K;
-      T *dqt = dqr + tt * K, *dkt = dkr + tt * K;
-      for (int64_t s = r0; s < tt; ++s) {
-        const T *Gs = t.G + s * K, *ks = t.kc + s * K;
+    for (int64_t tt = r0; tt < r0 + BS; ++tt) {  // the pairs inside the block, as chunk_terms walks them
+      const T *kt = t.kc + tt * K, *qt = t.qs + tt * K;
+      T *dqt = dqr + tt * K, *dkt = dkr + tt * K, *f = w.f;
+      std::fill_n(f, K, T(1));
+      for (int64_t s = tt - 1; s >= r0; --s) {
+        const T *e = t.eg + (s + 1) * K, *ks = t.kc + s * K;
         const T dqk = dAqk[tt * C + s], dkk = dAkk[tt * C + s];
         T* dks = dkc + s * K;
 #pragma omp simd
         for (int64_t c = 0; c < K; ++c) {
-          const T f = floored_exp(Gt[c] - Gs[c], fl);
-          dqt[c] += dqk * ks[c] * f;
-          dkt[c] += dkk * ks[c] * f;
-          dks[c] += (dkk * kt[c] + dqk * qt[c]) * f;
+          const T fc = std::max(f[c] * e[c], tiny);
+          f[c] = fc;
+          dqt[c] += dqk * ks[c] * fc;
+          dkt[c] += dkk * ks[c] * fc;
+          dks[c] += (dkk * kt[c] + dqk * qt[c]) * fc;
         }
       }
       const T dqk = dAqk[tt * C + tt];
