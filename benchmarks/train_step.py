@@ -5,6 +5,7 @@ also runs its Quantile Balancing update, which is part of its step).
     python benchmarks/train_step.py               # batches of 8 and 32 × 256 tokens, fp32, 2 threads
     python benchmarks/train_step.py --markdown    # also print the table for docs/benchmarks.md
     python benchmarks/train_step.py --k3-expert-optimizer muon adamw   # one K3 row per routed-expert optimiser
+    python benchmarks/train_step.py --kda kernel reference   # K3 with KDA's C++ CPU kernel and its PyTorch reference
 
 MFU = model FLOPs per token × tokens/s ÷ the fp32 matmul rate measured in this run, with model
 FLOPs = 3 × the forward FLOPs (forward + backward): 2 per active matmul weight, plus attention over
@@ -13,6 +14,7 @@ the average context (seq_len / 2) and, for K3, the KDA state updates (k3.model.p
 
 import argparse
 import datetime
+import os
 import statistics
 import time
 
@@ -22,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from gates import trained_like_gates
 from k3 import K3Config, K3Model
 from k3.model.params import param_report
+from k3.ops.kda import cpu_kernel
 from k3.train.balance import QuantileBalancer
 from k3.train.optim import build_optimizer
 from machine import cpu
@@ -105,6 +108,14 @@ def main() -> None:
         choices=["muon", "muon-active", "adamw"],
         help="K3's routed-expert optimiser (k3 train --expert-optimizer); one K3 row for each",
     )
+    p.add_argument(
+        "--kda",
+        nargs="+",
+        default=["kernel"],
+        choices=["kernel", "reference"],
+        help="the chunked KDA op on the CPU: the C++ kernel (default) or the PyTorch reference "
+        "(K3_KDA_CPU_KERNEL=off); one K3 row for each",
+    )
     p.add_argument("--markdown", action="store_true")
     p.add_argument(
         "--gates",
@@ -147,19 +158,22 @@ def main() -> None:
     for bs in args.batch_size:
         batch = torch.randint(0, config.vocab_size, (bs, args.seq_len))
         tokens = batch.numel()
-        k3_runs = {algo: [] for algo in args.k3_expert_optimizer}
+        k3_runs = {(algo, kda): [] for algo in args.k3_expert_optimizer for kda in args.kda}
         llama_runs = []
         for r in range(args.rounds):  # alternate so drift on a shared machine hits every row alike
-            for algo, runs in k3_runs.items():
+            for (algo, kda), runs in k3_runs.items():
+                os.environ[cpu_kernel.ENV_VAR] = "off" if kda == "reference" else "auto"
                 runs.append(bench(k3_model, batch, args.steps, QuantileBalancer(k3_model), expert_optimizer=algo))
+            os.environ.pop(cpu_kernel.ENV_VAR)
             llama_runs.append(bench(llama, batch, args.steps))
-            k3_rates = ", ".join(f"K3 ({algo}) {tokens / runs[-1][0]:.0f}" for algo, runs in k3_runs.items())
+            k3_rates = ", ".join(f"K3 ({a}, KDA {kda}) {tokens / rs[-1][0]:.0f}" for (a, kda), rs in k3_runs.items())
             print(f"batch {bs}, round {r + 1}: {k3_rates}, Llama {tokens / llama_runs[-1][0]:.0f} tok/s", flush=True)
         ll_step, ll_opt = (statistics.median(x[i] for x in llama_runs) for i in (0, 1))
         rows = []
-        for algo, runs in k3_runs.items():
+        for (algo, kda), runs in k3_runs.items():
             step, opt = (statistics.median(x[i] for x in runs) for i in (0, 1))
             name = "K3 small" + ("" if algo == "muon" else f", experts {algo}")
+            name += "" if kda == "kernel" else ", KDA reference"
             rows.append((name, report["active"], k3_flops, step, opt, f"{ll_step / step:.2f}×"))
         rows.append(("Llama (HF transformers)", llama_params, llama_flops, ll_step, ll_opt, ""))
         for name, params, flops, step, opt, ratio in rows:
@@ -175,7 +189,7 @@ def main() -> None:
         print(
             f"\n{datetime.date.today()}, {cpu()}, {torch.get_num_threads()} threads, torch "
             f"{torch.__version__}; fp32 matmul {mm:.1f} GFLOP/s; medians of {args.rounds} rounds × "
-            f"{args.steps} steps; {gates}"
+            f"{args.steps} steps; {gates}; chunked KDA: {cpu_kernel.describe()}"
         )
 
 
