@@ -50,9 +50,12 @@ class ScriptedHandle:
         self.request_id, self.prompt_ids, self.tokens, self.texts = request_id, prompt_ids, tokens, texts
         self.reason, self.delay_s = reason, delay_s
         self.finished = False
+        self.finish_reason: str | None = None
         self.cancelled = False
 
     def cancel(self, reason: str = "abort") -> None:
+        if not self.finished:
+            self.finish_reason = reason
         self.cancelled = self.finished = True
 
     async def __aiter__(self):
@@ -62,6 +65,7 @@ class ScriptedHandle:
                 return
             last = i == len(self.tokens) - 1
             self.finished = last
+            self.finish_reason = self.reason if last else None
             yield RequestOutput(
                 self.request_id, text, [token], last, self.reason if last else None, len(self.prompt_ids), i + 1, 0
             )

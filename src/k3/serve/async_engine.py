@@ -51,6 +51,7 @@ class RequestHandle:
         self._cond = threading.Condition()
         self._queue: deque[RequestOutput] = deque()
         self._finished = False  # the last output was queued: the engine holds nothing of the request
+        self._finish_reason: str | None = None  # the last output's, once it is queued
         self._drained = False  # the last output was read: iterators end
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
@@ -61,6 +62,11 @@ class RequestHandle:
     def finished(self) -> bool:
         """True once the request is over (finished, aborted or failed) and its pages are released."""
         return self._finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The last output's finish_reason once the request is over (read or not), else None."""
+        return self._finish_reason
 
     @property
     def backlog(self) -> int:
@@ -128,6 +134,7 @@ class RequestHandle:
             if self._finished:
                 return  # one last output per request, whichever came first
             self._queue.append(out)
+            self._finish_reason = out.finish_reason if out.finished else None
             self._finished = out.finished
             waiters, self._waiters = self._waiters, []
             self._cond.notify_all()

@@ -125,7 +125,9 @@ class Run:
 
     def cancel(self, count: bool = True) -> None:
         """Abort every choice not finished (their pages and state are freed by the engine); each is counted as
-        finished with reason "abort" unless count is False (a request refused at submission never ran)."""
+        finished with reason "abort" unless count is False (a request refused at submission never ran). A
+        choice that ended with its last output unread is counted with that output's reason: the engine loop
+        aborts the choices of a client that stopped reading (their backlog full), and nobody reads that end."""
         for task in self._tasks:
             task.cancel()
         for choice in self.choices.values():
@@ -134,6 +136,8 @@ class Run:
                 choice.handle.cancel()
                 if count:
                     self._count(choice, "abort")
+            elif count and not choice.counted:
+                self._count(choice, choice.handle.finish_reason or "unknown")
 
     def usage(self) -> dict:
         """OpenAI's usage: each prompt counted once; cached_tokens is the prefix-cache hit of its choices."""
