@@ -5,6 +5,7 @@ key, 429. The real engine under load is in test_server_engine.py."""
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -280,3 +281,35 @@ def test_overload_is_429_with_retry_after(tokenizer, encoder, reply_ids):
         assert first.status_code == 200 and sse_payloads(httpx.Response(200, content=first.read()))[-1] == "[DONE]"
         metrics = httpx.get(url + "/metrics").text
         assert 'k3_requests_rejected_total{status="429"} 1.0' in metrics
+
+
+def test_the_openapi_schema_documents_what_the_server_sends(served):
+    """Issue 26 item 11: /openapi.json documented FastAPI's 422 (the server sends 400), /metrics as JSON and
+    200 bodies as {}. Each documented answer is checked against one the server really gives."""
+    schema = httpx.get(served + "/openapi.json").json()
+    operations = {(path, method): op for path, ops in schema["paths"].items() for method, op in ops.items()}
+    assert not [where for where, op in operations.items() if "422" in op["responses"]]
+    assert not {"HTTPValidationError", "ValidationError"} & set(schema["components"]["schemas"])
+    metrics = operations["/metrics", "get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"] and metrics["text/plain"]["schema"] == {"type": "string"}
+    assert httpx.get(served + "/metrics").headers["content-type"].startswith("text/plain")
+
+    def documented(ref: dict) -> dict:  # a response schema, its $refs resolved in the document's components
+        return {**ref, "components": schema["components"]}
+
+    for path, request, body in [
+        ("/v1/completions", "CompletionRequest", {"prompt": "x", "max_tokens": 2}),
+        ("/v1/chat/completions", "ChatCompletionRequest", {"messages": HISTORY, "max_tokens": 2}),
+    ]:
+        responses = operations[path, "post"]["responses"]
+        error = responses["400"]["content"]["application/json"]["schema"]
+        assert list(responses["400"]["content"]) == ["application/json"]
+        assert error == {"$ref": "#/components/schemas/ErrorResponse"}
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+        assert schema["components"]["schemas"][request]["properties"]["model"]["enum"] == [MODEL]
+        refused = post(served, path, {"model": MODEL, **body, "temperature": 9})  # a validation error: 400
+        assert refused.status_code == 400
+        jsonschema.validate(refused.json(), documented(error))
+        answered = post(served, path, {"model": MODEL, **body})
+        assert answered.status_code == 200
+        jsonschema.validate(answered.json(), documented(responses["200"]["content"]["application/json"]["schema"]))
