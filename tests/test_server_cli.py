@@ -102,6 +102,28 @@ def test_serve_refuses_a_bad_max_model_len(ckpt, capsys):
     assert "--max-model-len 10000000: must be in 1.." in capsys.readouterr().err
 
 
+def test_the_write_and_keep_alive_timeout_flags_reach_the_server(ckpt, monkeypatch, capsys):
+    """--write-timeout and --keep-alive-timeout become ServerLimits' write_timeout_s (the guard's deadline on
+    each response write) and keep_alive_timeout_s (uvicorn's timeout_keep_alive); 0 is refused before the
+    model loads. What each does on a connection: test_server_hostile.py."""
+    import k3.server.main as server_main
+    from k3.server import ServerLimits
+
+    seen = {}
+    monkeypatch.setattr(server_main, "serve", lambda model, host, port, **kw: seen.update(kw["limits"]) or 0)
+    assert main(["serve", "--model", str(ckpt), "--write-timeout", "2.5", "--keep-alive-timeout", "0.75"]) == 0
+    limits = ServerLimits(max_model_len=64, **seen)
+    assert (limits.write_timeout_s, limits.keep_alive_timeout_s) == (2.5, 0.75)
+    assert server_main.uvicorn_options(limits)["timeout_keep_alive"] == 0.75
+    seen.clear()
+    assert main(["serve", "--model", str(ckpt)]) == 0  # the flags' defaults are ServerLimits' own
+    defaults = ServerLimits(max_model_len=64)
+    assert (seen["write_timeout_s"], seen["keep_alive_timeout_s"]) == (defaults.write_timeout_s, 5.0)
+    monkeypatch.undo()
+    assert main(["serve", "--model", str(ckpt), "--write-timeout", "0", "--port", "1"]) == 2
+    assert "write_timeout_s must be a number > 0" in capsys.readouterr().err
+
+
 def test_docs_list_every_serve_flag():
     """docs/serving.md's table of `k3 serve` flags names each flag the parser has, and no other."""
     import argparse

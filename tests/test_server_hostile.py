@@ -8,6 +8,7 @@ request on the same kept-alive connection, pages held to the end for a client th
 held indefinitely by a client sending a byte a second, a 429 that no retry could pass."""
 
 import asyncio
+import contextlib
 import json
 import logging
 import select
@@ -41,8 +42,8 @@ def make_engine(num_pages: int = 2000, **scheduler) -> AsyncEngine:
     return engine
 
 
-def settle(engine: AsyncEngine) -> dict:
-    deadline = time.monotonic() + WAIT_S
+def settle(engine: AsyncEngine, timeout_s: float = WAIT_S) -> dict:
+    deadline = time.monotonic() + timeout_s
     while True:
         stats = engine.stats()
         if (stats["running"] == 0 and stats["waiting"] == 0) or time.monotonic() > deadline:
@@ -200,6 +201,87 @@ def test_a_client_that_stops_reading_is_aborted_and_its_pages_freed(served):
     # the metric counts engine requests: the dropped stream's 8 choices, each ended by the abort, none by length
     assert counter(url, ABORTED) == aborted + 8
     assert counter(url, LENGTH) == ended
+
+
+def stalled_client(url: str, body: dict) -> socket.socket:
+    """A raw connection that sends `body` to /v1/completions and never reads, with small socket buffers and
+    no transport buffer on the server's side, so the server's writes wait on it after a few KB."""
+    content = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    deadline = time.monotonic() + WAIT_S
+    while sock.getsockname() not in connections._OPEN and time.monotonic() < deadline:
+        time.sleep(0.01)
+    transport = connections._OPEN[sock.getsockname()].transport
+    transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    transport.set_write_buffer_limits(high=0)  # asyncio's 64 KiB would otherwise absorb the first writes
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(content)}"
+    )
+    sock.sendall(head.encode() + b"\r\n\r\n" + content)
+    return sock
+
+
+def test_a_client_that_never_reads_is_cut_at_the_write_timeout():
+    """--write-timeout: a write that waits longer on the client ends the request and closes the connection.
+    The backlog bound is set out of reach and the request would stream 4,000 tokens (many seconds), so only
+    the write deadline can end it within the test's few seconds."""
+    engine = make_engine(num_pages=400)
+    limits = ServerLimits(max_model_len=4096, max_tokens=4000, write_timeout_s=0.5, max_stream_backlog=100_000)
+    app = create_app(engine, MODEL, limits)
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True, "logprobs": 5}
+    try:
+        with ServerThread(app, **uvicorn_options(limits)) as url:
+            aborted, ended = counter(url, ABORTED), counter(url, LENGTH)
+            sock = stalled_client(url, body)
+            start = time.monotonic()
+            try:
+                seen_running = False
+                while time.monotonic() - start < 5:  # not reading meanwhile
+                    stats = engine.stats()
+                    seen_running = seen_running or stats["running"] > 0
+                    if seen_running and stats["running"] == 0 and stats["waiting"] == 0:
+                        break
+                    time.sleep(0.02)
+                freed_after = time.monotonic() - start
+                sock.settimeout(5)
+                received = b""
+                with contextlib.suppress(ConnectionResetError):
+                    while chunk := sock.recv(1 << 16):  # what the buffers held, then the server's close
+                        received += chunk
+            finally:
+                sock.close()
+            assert stats["running"] == 0 and stats["pages_used"] == 0, stats
+            assert 0.5 <= freed_after < 5, freed_after
+            assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+            assert counter(url, ABORTED) == aborted + 1 and counter(url, LENGTH) == ended
+    finally:
+        engine.shutdown(drain_timeout=0)
+
+
+def test_an_idle_kept_alive_connection_is_closed_at_the_keep_alive_timeout():
+    """--keep-alive-timeout: after a response, a connection that sends nothing more is closed after it (the
+    header deadline, set far beyond, is not what closes it)."""
+    engine = make_engine(num_pages=200)
+    limits = ServerLimits(max_model_len=256, keep_alive_timeout_s=0.3, header_timeout_s=30)
+    try:
+        with ServerThread(create_app(engine, MODEL, limits), **uvicorn_options(limits)) as url:
+            host, port = url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port))) as sock:
+                sock.settimeout(10)
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                reply = b""
+                while not reply.endswith(b'{"status":"ok"}'):
+                    reply += sock.recv(4096)
+                start = time.monotonic()
+                assert reply.startswith(b"HTTP/1.1 200") and b"connection: close" not in reply.lower()
+                assert sock.recv(4096) == b""  # the server closes it, idle
+                closed_after = time.monotonic() - start
+            assert 0.2 < closed_after < 2, closed_after
+    finally:
+        engine.shutdown(drain_timeout=0)
 
 
 def test_slow_headers_are_cut_at_the_header_timeout():

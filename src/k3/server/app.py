@@ -146,6 +146,23 @@ def _ended_early(e: Exception) -> APIError:
     return APIError(500, str(e), code="generation_failed")
 
 
+class _EventStream(StreamingResponse):
+    """An SSE response whose run is cancelled however the response ends. When a write raises (ClientGone past
+    --write-timeout, k3.server.guard) Starlette leaves the body generator suspended, so the generator's own
+    `finally` would run only once it is garbage-collected, and the engine would go on computing the request
+    for a closed connection until its backlog bound (--max-stream-backlog) aborted it."""
+
+    def __init__(self, content, run: Run):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.run = run
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.cancel()
+
+
 def _sse(events, run: Run) -> StreamingResponse:
     async def body():
         try:
@@ -161,7 +178,7 @@ def _sse(events, run: Run) -> StreamingResponse:
             run.cancel()  # a client gone mid-stream lands here (Starlette cancels the body): free its requests
         yield DONE
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return _EventStream(body(), run)
 
 
 def _routes(app: FastAPI, srv: Server) -> None:
