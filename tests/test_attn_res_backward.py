@@ -170,3 +170,26 @@ def test_tiny_model_loss_and_gradients_unchanged(monkeypatch):
     assert grads.keys() == grads_ref.keys() and sum("_res_" in n for n in grads) >= 10
     for name, grad in grads.items():
         torch.testing.assert_close(grad, grads_ref[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n_sources", [2, 3, 5])
+def test_a_tokens_output_does_not_depend_on_its_place_in_the_batch(n_sources, dtype):
+    """Equal tokens anywhere in a packed batch get bit-equal outputs, forward and backward. The softmax over
+    sources ran along dim 0 of (S, N), which torch vectorises across tokens with the vector tail through
+    another exp: two requests with one prompt had logits that differed in the last bits (issue 26;
+    test_structured_engine's test_logprobs_are_the_raw_model_distribution)."""
+    torch.manual_seed(0)
+    for n in (35, 37, 67, 131):  # a tail past every vector width (4, 8, 16 lanes)
+        place = torch.randint(0, 3, (n,))  # every token is one of three, in every position
+        distinct = [torch.randn(3, 64, dtype=dtype) for _ in range(n_sources)]
+        sources = [v[place][None].requires_grad_() for v in distinct]  # (1, n, 64)
+        proj, norm = nn.Linear(64, 1, bias=False).to(dtype), RMSNorm(64).to(dtype)
+        with torch.no_grad():
+            proj.weight.normal_()
+        h = attn_res(sources, proj, norm)
+        h.pow(2).sum().backward()
+        for out in (h[0].detach(), *(v.grad[0] for v in sources)):
+            for token in range(3):
+                rows = out[place == token]
+                assert (rows == rows[0]).all(), (n, token)

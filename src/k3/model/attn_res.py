@@ -93,7 +93,10 @@ def _forward(weight, gamma, eps, sources, inv_rms=()):
     for s, v in enumerate(sources):
         torch.linalg.vecdot(at_least_fp32(v).reshape(-1, d), g, out=a[s])  # 1.6x faster than mv here
     r = torch.stack([*inv_rms, *(source_inv_rms(v, eps) for v in sources[len(inv_rms) :])])
-    p = torch.softmax(a * r, dim=0)  # (S, N) in fp32 (or fp64)
+    # over the sources as a softmax along each token's row of S logits: along dim 0 of (S, N) torch vectorises
+    # across tokens and sends those in the vector tail through a scalar exp, so equal tokens at other places of
+    # a packed batch got other last bits (a request's log-probabilities depended on its batch neighbours)
+    p = torch.softmax((a * r).T, dim=-1).T  # (S, N) in fp32 (or fp64)
     pv = p.to(sources[0].dtype).reshape(len(sources), *sources[0].shape[:-1], 1)
     h = torch.mul(sources[0], pv[0])
     for v, ps in zip(sources[1:], pv[1:], strict=True):
