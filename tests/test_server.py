@@ -313,3 +313,30 @@ def test_the_openapi_schema_documents_what_the_server_sends(served):
         answered = post(served, path, {"model": MODEL, **body})
         assert answered.status_code == 200
         jsonschema.validate(answered.json(), documented(responses["200"]["content"]["application/json"]["schema"]))
+
+
+@pytest.mark.parametrize(
+    "declared", [{"tools": TOOLS, "tool_choice": "none"}, {}], ids=["tool_choice_none", "no_tools"]
+)
+def test_a_call_the_request_does_not_allow_stays_content(tokenizer, reply_ids, declared):
+    """Issue 26 item 4, over HTTP: a model reply holding a tool call (REPLY's markup, whatever the prompt) under
+    tool_choice "none", or with no tools declared, is text: the markup stays in content, no tool_calls, and
+    finish_reason is stop, not tool_calls; streamed the same."""
+    scripted = ScriptedEngine(tokenizer, tokenizer.vocab_size, lambda ids, params: reply_ids)
+    app = create_app(scripted, MODEL, ServerLimits(max_model_len=4096, max_tokens=2048))
+    markup = (
+        '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" '
+        'type="string"<|sep|>Paris<|close|>argument<|sep|><|open|>argument key="days" type="number"<|sep|>2'
+        "<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>"
+    )
+    body = {"model": MODEL, "messages": HISTORY, **declared}
+    with ServerThread(app) as url:
+        choice = httpx.post(url + "/v1/chat/completions", json=body, timeout=30).json()["choices"][0]
+        events = sse_payloads(httpx.post(url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30))
+    assert choice["finish_reason"] == "stop" and choice["message"]["tool_calls"] is None
+    assert choice["message"]["content"] == "Let me check." + markup
+    assert choice["message"]["reasoning_content"] == "The user wants weather."
+    deltas = [e["choices"][0] for e in events[:-1]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Let me check." + markup
+    assert not [d for d in deltas if d["delta"].get("tool_calls")]
+    assert [d["finish_reason"] for d in deltas if d["finish_reason"]] == ["stop"] and events[-1] == "[DONE]"
