@@ -16,6 +16,8 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
+import struct
 import sys
 import time
 import warnings
@@ -61,32 +63,62 @@ def _flags() -> list[str]:
 _status: dict[str, object] = {"reason": "not loaded yet", "seconds": None, "built": None}
 
 
+def _libraries(build: Path) -> dict[str, int]:
+    """The built libraries in a build folder and their modification times: what tells a build from a load."""
+    return {p.name: p.stat().st_mtime_ns for p in build.glob("*.so")}
+
+
+def _truncated(library: Path) -> bool:
+    """Whether a cached ELF library ends before its section headers do (a build killed mid-write, a disk error):
+    dlopen of such a file can die with SIGBUS instead of raising, so it is checked before loading."""
+    data = library.read_bytes()
+    if len(data) < 64:
+        return True
+    if data[:4] != b"\x7fELF" or data[4] != 2:  # not a 64-bit ELF (another platform): the loader judges it
+        return False
+    shoff, shentsize, shnum = int.from_bytes(data[40:48], "little"), *struct.unpack_from("<HH", data, 58)
+    return len(data) < shoff + shentsize * shnum
+
+
+def _build_and_load(build: Path, key: str) -> None:
+    from torch.utils import cpp_extension
+
+    build.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=f"k3_kda_cpu_{key}",
+        sources=[str(SOURCE)],
+        extra_cflags=_flags(),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
 @functools.cache
 def _load() -> bool:
     """Build (or find) and load the library once per process; False, with the reason in _status, if it cannot."""
-    from torch.utils import cpp_extension
-
     key = _key()
     build = cache_dir() / f"chunk_kda_cpu_{key}"
-    built = any(build.glob("*.so"))
+    if any(_truncated(p) for p in build.glob("*.so")):
+        shutil.rmtree(build, ignore_errors=True)  # built again below
+    before = _libraries(build)
     start = time.perf_counter()
     try:
-        build.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=f"k3_kda_cpu_{key}",
-            sources=[str(SOURCE)],
-            extra_cflags=_flags(),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            is_python_module=False,
-            verbose=False,
-        )
+        try:
+            _build_and_load(build, key)
+        except OSError:
+            if not before:
+                raise
+            # a cached library that does not load (truncated by a killed build, a disk error): build it again once
+            shutil.rmtree(build, ignore_errors=True)
+            _build_and_load(build, key)
     except Exception as error:  # no compiler, no OpenMP, a read-only home: the reference path still works
         reason = str(error).strip().splitlines()
-        _status["reason"] = f"the C++ kernel did not build ({reason[-1] if reason else type(error).__name__})"
+        _status["reason"] = f"the C++ kernel did not build or load ({reason[-1] if reason else type(error).__name__})"
         warnings.warn(f"k3: KDA runs on its PyTorch reference path: {_status['reason']}", RuntimeWarning, stacklevel=3)
         return False
-    _status.update(reason=None, seconds=time.perf_counter() - start, built=not built)
+    _status.update(reason=None, seconds=time.perf_counter() - start, built=_libraries(build) != before)
     _register_fakes()
     return True
 
