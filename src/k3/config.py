@@ -33,6 +33,10 @@ class ConfigError(ValueError):
     """A K3Config field has a value the model cannot be built with."""
 
 
+# expert_quantization's values (and k3 train --qat's): None, full precision, or "mxfp4"
+EXPERT_QUANTIZATIONS = (None, "mxfp4")
+
+
 # Keys of the official text_config.linear_attn_config block and the K3Config field each maps to.
 _LINEAR_ATTN_KEYS = {
     "num_heads": "kda_num_heads",
@@ -388,7 +392,7 @@ class K3Config:
             self._fail("residual", "must be 'attnres' (Block Attention Residuals) or 'standard'")
         if self.mla_impl not in ("naive", "absorbed", "auto"):
             self._fail("mla_impl", "must be 'naive' (per-head k, v), 'absorbed' (latent only) or 'auto'")
-        if self.expert_quantization not in (None, "mxfp4"):
+        if self.expert_quantization not in EXPERT_QUANTIZATIONS:
             self._fail(
                 "expert_quantization",
                 "must be None (full precision) or 'mxfp4' (MXFP4 expert weights, MXFP8 expert inputs)",

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from k3.config import PRESETS, K3Config
+from k3.config import EXPERT_QUANTIZATIONS, PRESETS, K3Config
 from k3.data.synthetic import SyntheticMix
 from k3.formats.checkpoint import CheckpointError, config_diff
 from k3.formats.files import atomic_write
@@ -139,7 +139,7 @@ class TrainArgs(RunArgs):
             raise ValueError(f"--min-lr-ratio must be between 0 and 1, got {self.min_lr_ratio}")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"--val-fraction must be between 0 and 1 (exclusive), got {self.val_fraction}")
-        if self.qat not in (None, "mxfp4"):
+        if self.qat not in EXPERT_QUANTIZATIONS:
             raise ValueError(f"--qat must be mxfp4 (or absent: full precision), got {self.qat!r}")
         if self.stages is not None:
             parse_stages(self.stages)
