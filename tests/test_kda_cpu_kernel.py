@@ -49,6 +49,7 @@ def close(a, b, tol):
 
 CASES = [  # B, T, H, K, V, chunk size, initial state
     (2, 77, 3, 16, 24, 64, True),
+    (1, 64, 1, 128, 16, 32, True),  # K > 2·C: the backward's per-chunk buffers at their largest against C
     (1, 130, 2, 32, 16, 32, False),
     (3, 64, 1, 8, 40, 64, True),
     (1, 5, 2, 16, 16, 32, True),
@@ -224,3 +225,29 @@ def test_a_truncated_cached_library_is_recognised(tmp_path):
         cut = tmp_path / f"cut{size}.so"
         cut.write_bytes(built.read_bytes()[:size])
         assert cpu_kernel._truncated(cut), size
+
+
+def test_the_operators_check_shapes_against_each_other():
+    q, k, v, g, beta = inputs(2, 64, 2, 16, 8, "weak", dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="num_seqs must be B"):
+        torch.ops.k3_kda.chunk_fwd(q, k, v, g, beta, 0.25, 32, None, None, None, 1, False)
+    with pytest.raises(RuntimeError, match="v must have shape"):
+        torch.ops.k3_kda.chunk_fwd(q, k, v[:1], g, beta, 0.25, 32, None, None, None, 2, False)
+    with pytest.raises(RuntimeError, match="h0 must have shape"):
+        torch.ops.k3_kda.chunk_fwd(q, k, v, g, beta, 0.25, 32, torch.zeros(1, 2, 16, 8), None, None, 2, False)
+    first = last = torch.tensor([0, 5])
+    with pytest.raises(RuntimeError, match="below num_seqs"):
+        torch.ops.k3_kda.chunk_fwd(q[:1], k[:1], v[:1], g[:1], beta[:1], 0.25, 32, None, first, last, 1, False)
+
+
+def test_a_first_chunk_that_starts_no_sequence_starts_from_zeros():
+    """A layout the operator accepts although chunk_kda never builds it: chunk 0 belongs to no sequence. Its state
+    starts from zeros, as the reference's, whatever an earlier call left in the kernel's workspaces."""
+    q, k, v, g, beta = inputs(1, 96, 2, 16, 8, "weak")
+    big = inputs(1, 96, 2, 16, 8, "weak", seed=1)
+    cpu_kernel.chunk_fwd(*big[:2], big[2] * 1e6, *big[3:], 0.25, None, 32)  # leaves a large state behind
+    seq_chunks = [(1, 3)]
+    want = chunk_kda_fwd(q, k, v, g, beta, 0.25, None, 32, seq_chunks)
+    got = cpu_kernel.chunk_fwd(q, k, v, g, beta, 0.25, None, 32, seq_chunks)
+    for a, b in zip(got, want, strict=True):
+        close(a, b, 1e-12)

@@ -95,12 +95,22 @@ def _build_and_load(build: Path, key: str) -> None:
     )
 
 
+STALE_LOCK_S = 300  # a build takes ~20 s: a build lock older than this was left by a killed build
+NO_LOAD = "does-not-load.txt"  # written where a freshly built library does not load, so no start rebuilds it
+
+
 @functools.cache
 def _load() -> bool:
     """Build (or find) and load the library once per process; False, with the reason in _status, if it cannot."""
     key = _key()
     build = cache_dir() / f"chunk_kda_cpu_{key}"
-    if any(_truncated(p) for p in build.glob("*.so")):
+    if (build / NO_LOAD).exists():
+        _status["reason"] = f"{(build / NO_LOAD).read_text().strip()} (remove {build} to try again)"
+        return False
+    lock = build / "lock"  # torch's cpp_extension waits on it without a timeout
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+    if any(_truncated(p) for p in build.glob("*.so")) and not lock.exists():
         shutil.rmtree(build, ignore_errors=True)  # built again below
     before = _libraries(build)
     start = time.perf_counter()
@@ -110,9 +120,13 @@ def _load() -> bool:
         except OSError:
             if not before:
                 raise
-            # a cached library that does not load (truncated by a killed build, a disk error): build it again once
+            # a cached library that does not load (a disk error, another torch build): build it again once
             shutil.rmtree(build, ignore_errors=True)
-            _build_and_load(build, key)
+            try:
+                _build_and_load(build, key)
+            except OSError as error:
+                (build / NO_LOAD).write_text(f"the C++ kernel built but does not load ({str(error).strip()})")
+                raise
     except Exception as error:  # no compiler, no OpenMP, a read-only home: the reference path still works
         reason = str(error).strip().splitlines()
         _status["reason"] = f"the C++ kernel did not build or load ({reason[-1] if reason else type(error).__name__})"

@@ -117,7 +117,7 @@ Rows<T> rows_of(const Shape& d, const T* q, const T* k, const T* v, const T* g, 
 template <typename T>
 struct Terms {
   T *qs, *kc, *G, *gam, *kG, *qG, *to_end, *kd;  // (C, K): q·scale, k, G, Γ = e^G, kΓ, q·scale·Γ, Γ_C/Γ, kΓ_C/Γ
-  T* eg;                                          // (C, K): e^g, each token's own decay
+  T* eg;                                         // (C, K): e^g, each token's own decay
   T *Akk, *Aqk, *M;                              // (C, C): strictly lower Akk, lower Aqk, (I + βAkk)⁻¹
   T *U, *W;                                      // (C, V) M βv, (C, K) M βkΓ
   T* gend;                                       // (K) Γ_C
@@ -338,7 +338,8 @@ void forward(const Shape& d, const T* q, const T* k, const T* v, const T* g, con
       Scratch<T> w(C, K);
       const Terms<T> t = Terms<T>::at(workspace<T>(0, tsize + 2 * KV), C, K, V);
       T *S = t.beta + C, *local = S + KV;
-      for (int64_t bh = lo; bh < hi; ++bh)
+      for (int64_t bh = lo; bh < hi; ++bh) {
+        std::fill_n(S, KV, T(0));  // a first chunk that starts no sequence starts from zeros, as the reference
         for (int64_t n = 0; n < d.NC; ++n) {
           chunk_terms(rows_of(d, q, k, v, g, beta, bh, n), scale, C, K, V, t, w);
           enter(bh, n, S);
@@ -347,6 +348,7 @@ void forward(const Shape& d, const T* q, const T* k, const T* v, const T* g, con
           forward_output(t, C, K, V, Sn, out_at(bh, n), d.H * V);
           leave(bh, n, S);
         }
+      }
     });
     return;
   }
@@ -354,6 +356,7 @@ void forward(const Shape& d, const T* q, const T* k, const T* v, const T* g, con
   T* terms = workspace<T>(0, NG * BH * tsize);
   T* local_starts = workspace<T>(1, starts ? 0 : NG * BH * KV);
   T* state = workspace<T>(2, BH * KV);
+  std::fill_n(state, BH * KV, T(0));
   auto terms_at = [&](int64_t bh, int64_t j) { return Terms<T>::at(terms + (bh * NG + j) * tsize, C, K, V); };
   auto start_at = [&](int64_t bh, int64_t n, int64_t j) {
     return starts ? starts + (bh * d.NC + n) * KV : local_starts + (bh * NG + j) * KV;
@@ -549,8 +552,9 @@ void backward(const Shape& d, const T* q, const T* k, const T* v, const T* g, co
   };
   // everything else: dAqk = tril(do uᵀ), d(qΓ) = do Sᵀ, dkd = u dS'ᵀ, dΓ_C = Σ_v dS' ⊙ S, dW = −du Sᵀ, then the terms'
   auto finish = [&](int64_t bh, int64_t n, const ChunkGrad<T>& c, Scratch<T>& w) {
-    T* grads = workspace<T>(1, 3 * C * C + 2 * C * K + K + 5 * C * C + 5 * C * K + C);
-    T* scratch = grads + 3 * C * C + 2 * C * K + K;
+    const int64_t own = C * C + 3 * C * K + K;  // dAqk (C, C); dqd, dkd, dW (C, K); dgend (K)
+    T* grads = workspace<T>(1, own + 5 * C * C + 5 * C * K + C);
+    T* scratch = grads + own;  // terms_backward's: 5 (C, C), 5 (C, K), (C)
     T *dAqk = grads, *dqd = dAqk + C * C, *dkd = dqd + C * K, *dW = dkd + C * K, *dgend = dW + C * K;
     const T *Sn = starts + (bh * d.NC + n) * KV, *don = do_at(bh, n);
     mm<T>(false, true, C, C, V, 1, don, d.H * V, c.u, V, 0, dAqk, C);
@@ -574,18 +578,21 @@ void backward(const Shape& d, const T* q, const T* k, const T* v, const T* g, co
       T* p = workspace<T>(0, csize + KV);
       const ChunkGrad<T> c = ChunkGrad<T>::at(p, C, K, V);
       T* dS = p + csize;
-      for (int64_t bh = lo; bh < hi; ++bh)
+      for (int64_t bh = lo; bh < hi; ++bh) {
+        std::fill_n(dS, KV, T(0));  // a last chunk that ends no sequence: no state gradient enters it
         for (int64_t n = d.NC - 1; n >= 0; --n) {
           prepare(bh, n, c, w);
           recurse(bh, n, c, dS);
           finish(bh, n, c, w);
         }
+      }
     });
     return;
   }
   const int64_t NG = std::min(d.NC, group_chunks(d));
   T* buf = workspace<T>(0, NG * BH * csize);
   T* dstate = workspace<T>(2, BH * KV);
+  std::fill_n(dstate, BH * KV, T(0));
   auto at_ = [&](int64_t bh, int64_t j) { return ChunkGrad<T>::at(buf + (bh * NG + j) * csize, C, K, V); };
   for (int64_t c0 = (d.NC - 1) / NG * NG; c0 >= 0; c0 -= NG) {
     const int64_t n_g = std::min(NG, d.NC - c0);
@@ -613,19 +620,34 @@ void check(const at::Tensor& x, const char* name, at::ScalarType dtype, int64_t 
   TORCH_CHECK(x.is_contiguous(), "k3_kda: ", name, " must be contiguous");
 }
 
-Shape shape_of(const at::Tensor& q, const at::Tensor& v, int64_t chunk_size) {
+void check_shape(const at::Tensor& x, const char* name, at::IntArrayRef want) {
+  TORCH_CHECK(x.sizes() == want, "k3_kda: ", name, " must have shape ", want, ", got ", x.sizes());
+}
+
+Shape shape_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+               const at::Tensor& beta, int64_t chunk_size) {
   Shape d{q.size(0), q.size(1), q.size(2), q.size(3), v.size(3), chunk_size, 0};
+  for (const auto& [x, name] : {std::pair{&k, "k"}, {&g, "g"}}) check_shape(*x, name, q.sizes());
+  check_shape(v, "v", {d.B, d.T, d.H, d.V});
+  check_shape(beta, "beta", {d.B, d.T, d.H});
   TORCH_CHECK(chunk_size % BS == 0 && chunk_size > 0, "k3_kda: chunk_size must be a multiple of ", BS);
   TORCH_CHECK(d.T % chunk_size == 0, "k3_kda: T (", d.T, ") must be a multiple of chunk_size (", chunk_size, ")");
   d.NC = d.T / chunk_size;
   return d;
 }
 
-Sequences sequences_of(const std::optional<at::Tensor>& first, const std::optional<at::Tensor>& last, const Shape& d) {
-  if (!first.has_value()) return {nullptr, nullptr, d.NC, d.H};
+Sequences sequences_of(const std::optional<at::Tensor>& first, const std::optional<at::Tensor>& last, const Shape& d,
+                       int64_t num_seqs) {
+  if (!first.has_value()) {
+    TORCH_CHECK(num_seqs == d.B, "k3_kda: num_seqs must be B (", d.B, ") without packed sequences, got ", num_seqs);
+    return {nullptr, nullptr, d.NC, d.H};
+  }
   TORCH_CHECK(d.B == 1 && last.has_value(), "k3_kda: packed sequences need B == 1 and both seq_first and seq_last");
   for (const auto* x : {&*first, &*last}) check(*x, "seq_first/seq_last", at::kLong, 1);
   TORCH_CHECK(first->numel() == d.NC && last->numel() == d.NC, "k3_kda: seq_first/seq_last need one entry a chunk");
+  for (const auto* x : {&*first, &*last})
+    TORCH_CHECK(x->numel() == 0 || (x->min().item<int64_t>() >= -1 && x->max().item<int64_t>() < num_seqs),
+                "k3_kda: seq_first/seq_last entries must be -1 or a sequence index below num_seqs (", num_seqs, ")");
   return {first->data_ptr<int64_t>(), last->data_ptr<int64_t>(), d.NC, d.H};
 }
 
@@ -639,11 +661,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chunk_fwd(const at::Tensor& q, co
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "k3_kda: float32 or float64 inputs, got ", dtype);
   for (const auto& [x, name] : {std::pair{&q, "q"}, {&k, "k"}, {&g, "g"}, {&v, "v"}}) check(*x, name, dtype, 4);
   check(beta, "beta", dtype, 3);
-  const Shape d = shape_of(q, v, chunk_size);
-  const Sequences seqs = sequences_of(seq_first, seq_last, d);
+  const Shape d = shape_of(q, k, v, g, beta, chunk_size);
+  const Sequences seqs = sequences_of(seq_first, seq_last, d, num_seqs);
   auto o = at::empty_like(v);
+  if (h0.has_value()) check(*h0, "h0", dtype, 4), check_shape(*h0, "h0", {num_seqs, d.H, d.K, d.V});
   auto final = h0.has_value() ? h0->clone() : at::zeros({num_seqs, d.H, d.K, d.V}, q.options());
-  if (h0.has_value()) check(*h0, "h0", dtype, 4);
   auto starts = at::empty({keep_starts ? d.BH() : 0, d.NC, d.K, d.V}, q.options());
   if (d.NC == 0) return {o, final, starts};
   AT_DISPATCH_FLOATING_TYPES(dtype, "k3_kda_chunk_fwd", [&] {
@@ -665,14 +687,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   for (const auto& [x, name] : {std::pair{&q, "q"}, {&k, "k"}, {&g, "g"}, {&v, "v"}, {&d_o, "do"}, {&starts, "starts"}})
     check(*x, name, dtype, 4);
   check(beta, "beta", dtype, 3);
-  const Shape d = shape_of(q, v, chunk_size);
-  const Sequences seqs = sequences_of(seq_first, seq_last, d);
-  TORCH_CHECK(starts.size(0) == d.BH() && starts.size(1) == d.NC, "k3_kda: starts must be (B·H, NC, K, V)");
+  const Shape d = shape_of(q, k, v, g, beta, chunk_size);
+  const Sequences seqs = sequences_of(seq_first, seq_last, d, num_seqs);
+  check_shape(starts, "starts", {d.BH(), d.NC, d.K, d.V});
+  check_shape(d_o, "do", v.sizes());
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v), dg = at::empty_like(g);
   auto dbeta = at::empty_like(beta);
   // a sequence without chunks passes its final state's gradient straight through
+  if (dfinal.has_value()) check(*dfinal, "dfinal", dtype, 4), check_shape(*dfinal, "dfinal", {num_seqs, d.H, d.K, d.V});
   auto dh0 = dfinal.has_value() ? dfinal->clone() : at::zeros({num_seqs, d.H, d.K, d.V}, q.options());
-  if (dfinal.has_value()) check(*dfinal, "dfinal", dtype, 4);
   if (d.NC == 0) return {dq, dk, dv, dg, dbeta, dh0};
   AT_DISPATCH_FLOATING_TYPES(dtype, "k3_kda_chunk_bwd", [&] {
     backward<scalar_t>(d, q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
