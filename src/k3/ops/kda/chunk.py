@@ -88,6 +88,13 @@ def chunk_kda_fwd(
     return o, final, starts
 
 
+def _passes(q: torch.Tensor, chunk_size: int):
+    """(forward, backward) for prepared inputs like q: the C++ kernel where it runs them, else the reference."""
+    if cpu_kernel.usable(q, chunk_size):
+        return cpu_kernel.chunk_fwd, cpu_kernel.chunk_bwd
+    return chunk_kda_fwd, chunk_kda_bwd
+
+
 class ChunkKDAFunction(torch.autograd.Function):
     """The chunked forward with a hand-written backward: the chunk start states are kept, the chunk-parallel terms
     recomputed, and the state recursion run backwards. On the CPU both passes run in the C++ kernel
@@ -95,20 +102,18 @@ class ChunkKDAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, chunk_size, seq_chunks):
-        kernel = cpu_kernel.usable(q, chunk_size)
-        fwd = cpu_kernel.chunk_fwd if kernel else chunk_kda_fwd
+        fwd, ctx.bwd = _passes(q, chunk_size)
         o, final, starts = fwd(q, k, v, g, beta, scale, initial_state, chunk_size, seq_chunks)
         ctx.save_for_backward(q, k, v, g, beta, starts)
-        ctx.config = (scale, chunk_size, seq_chunks, initial_state is not None, kernel)
+        ctx.config = (scale, chunk_size, seq_chunks, initial_state is not None)
         return o, final
 
     @staticmethod
     @first_derivative_only
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, starts = ctx.saved_tensors
-        scale, chunk_size, seq_chunks, has_h0, kernel = ctx.config
-        bwd = cpu_kernel.chunk_bwd if kernel else chunk_kda_bwd
-        dq, dk, dv, dg, dbeta, dh0 = bwd(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_chunks)
+        scale, chunk_size, seq_chunks, has_h0 = ctx.config
+        dq, dk, dv, dg, dbeta, dh0 = ctx.bwd(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_chunks)
         return dq, dk, dv, dg, dbeta, (dh0 if has_h0 else None), None, None, None
 
 
@@ -117,8 +122,7 @@ def _chunk_fwd(q, k, v, g, beta, scale, h0, chunk_size, seq_chunks=None, chunk_s
     when a gradient is needed (chunk_states comes only in inference mode, without one)."""
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, h0)):
         return (*ChunkKDAFunction.apply(q, k, v, g, beta, h0, scale, chunk_size, seq_chunks), None)
-    fwd = cpu_kernel.chunk_fwd if cpu_kernel.usable(q, chunk_size) else chunk_kda_fwd
-    return fwd(q, k, v, g, beta, scale, h0, chunk_size, seq_chunks, keep_starts=chunk_states)
+    return _passes(q, chunk_size)[0](q, k, v, g, beta, scale, h0, chunk_size, seq_chunks, keep_starts=chunk_states)
 
 
 CHUNK_SIZES = (32, 64)  # what fla's kernels accept; the torch path agrees, so a call never depends on the backend

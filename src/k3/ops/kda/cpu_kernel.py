@@ -24,7 +24,9 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from k3.ops.kda.chunk_terms import sequence_chunks
+from k3.ops.kda.inputs import pad_time
 
 ENV_VAR = "K3_KDA_CPU_KERNEL"
 CHOICES = ("auto", "off")
@@ -196,23 +198,20 @@ def _require() -> None:
 
 
 def _padded(x: torch.Tensor, T: int) -> torch.Tensor:
-    """x (B, T0, ...) zero-padded in time to T, contiguous: neutral tokens (g = 0 keeps the state, β = 0 writes
-    nothing)."""
-    pad = T - x.shape[1]
-    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
-    return x.contiguous()
+    """x (B, T0, ...) zero-padded in time to T (inputs.pad_time: neutral tokens), contiguous."""
+    return (pad_time(x, T) if x.shape[1] != T else x).contiguous()
 
 
-def _sequences(seq_chunks, NC: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Per chunk, the packed sequence that starts / ends there (−1 elsewhere); None, None for one per batch row."""
+def _sequences(seq_chunks, NC: int, B: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """The operators' view of chunk_terms.sequence_chunks: per chunk, the packed sequence that starts / ends there
+    (−1 elsewhere; None, None for one sequence per batch row), and the number of sequences."""
     if seq_chunks is None:
-        return None, None
-    first = torch.full((NC,), -1, dtype=torch.int64, device=device)
-    last = torch.full((NC,), -1, dtype=torch.int64, device=device)
-    for i, (c0, c1) in enumerate(seq_chunks):
-        if c1 > c0:
-            first[c0], last[c1 - 1] = i, i
-    return first, last
+        return None, None, B
+    _, starting, ending, _ = sequence_chunks(seq_chunks, NC, None, B, 0, 0, 0)
+    first, last = (torch.full((NC,), -1, dtype=torch.int64, device=device) for _ in range(2))
+    for out, at in ((first, starting), (last, ending)):
+        out[list(at)] = torch.tensor(list(at.values()), dtype=torch.int64, device=device)
+    return first, last, len(seq_chunks)
 
 
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, chunk_size, seq_chunks=None, keep_starts=True):
@@ -222,8 +221,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, chunk_size, seq_chunks=Non
     C = chunk_size
     NC = -(-T // C)
     padded = [_padded(x, NC * C) for x in (q, k, v, g, beta)]
-    first, last = _sequences(seq_chunks, NC, q.device)
-    N = len(seq_chunks) if seq_chunks is not None else B
+    first, last, N = _sequences(seq_chunks, NC, B, q.device)
     h0 = None if initial_state is None else initial_state.to(q.dtype).reshape(N, H, K, -1).contiguous()
     o, final, starts = torch.ops.k3_kda.chunk_fwd(*padded, float(scale), C, h0, first, last, N, keep_starts)
     return (o[:, :T] if NC * C != T else o), final, (starts if keep_starts else None)
@@ -236,8 +234,7 @@ def chunk_bwd(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_chunk
     C = chunk_size
     NC = starts.shape[1]
     padded = [_padded(x, NC * C) for x in (q, k, v, g, beta, do.to(q.dtype))]
-    first, last = _sequences(seq_chunks, NC, q.device)
-    N = len(seq_chunks) if seq_chunks is not None else B
+    first, last, N = _sequences(seq_chunks, NC, B, q.device)
     dfinal = None if dfinal is None else dfinal.to(q.dtype).reshape(N, H, K, -1).contiguous()
     *grads, dh0 = torch.ops.k3_kda.chunk_bwd(
         *padded[:5], starts.contiguous(), padded[5], dfinal, float(scale), C, first, last, N

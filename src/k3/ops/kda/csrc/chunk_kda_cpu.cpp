@@ -63,7 +63,7 @@ inline T floor_ln() {  // the smallest exponent a decay factor keeps: 0.35·ln(s
 }
 
 // e^x for floor_ln ≤ x ≤ 80: Cody–Waite reduction and a degree-7 Taylor polynomial (|f| ≤ ln2/2, error
-// below fp32's half ulp), written so that GCC vectorises it inside the channel loops.
+// 1–2 fp32 ulp), written so that GCC vectorises it inside the channel loops.
 inline float exp_f(float x) {
   const float r = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
   const float f = (x - r * 0.693145751953125f) - r * 1.428606765330187e-06f;
