@@ -2,10 +2,16 @@
 in-process and one in a subprocess must reduce in the same order to agree bitwise)."""
 
 import faulthandler
+import os
 import signal
 
 import pytest
 import torch
+
+# Engines built by tests run their steps eagerly unless a test asks for compile=True: compiling a graph takes
+# tens of seconds per model, and the compiled step has its own tests (test_compiled_step.py). Set before any
+# test starts a subprocess, which inherits it.
+os.environ.setdefault("K3_COMPILE", "off")
 
 
 @pytest.fixture(autouse=True)

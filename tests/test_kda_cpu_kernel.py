@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.ops.kda import chunk_kda, cpu_kernel, naive_recurrent_kda
+from k3.ops.kda import chunk_kda, cpu_kernel, fused_recurrent_kda, naive_recurrent_kda
 from k3.ops.kda.chunk import chunk_kda_bwd, chunk_kda_fwd
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
@@ -251,3 +251,54 @@ def test_a_first_chunk_that_starts_no_sequence_starts_from_zeros():
     got = cpu_kernel.chunk_fwd(q, k, v, g, beta, 0.25, None, 32, seq_chunks)
     for a, b in zip(got, want, strict=True):
         close(a, b, 1e-12)
+
+
+def _reference_step(monkeypatch, *args, **kwargs):
+    """fused_recurrent_kda's torch path (the step kernel switched off for the call)."""
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernel, "step_usable", lambda *a: False)
+        return fused_recurrent_kda(*args, **kwargs)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("layout", ["pool rows", "strided states"])
+def test_decoding_step_kernel_equals_the_torch_path(monkeypatch, lower_bound, layout):
+    """k3_kda::recurrent_step (one token per sequence, states updated in place) against fused_recurrent_kda's torch
+    path in float64: raw inputs through the in-kernel l2norm, gate (bounded and unbounded) and sigmoid, states as
+    rows of a pool or as a strided view of one (the engine's rows in arithmetic progression)."""
+    B, H, K, V, P = 3, 2, 24, 40, 8
+    gen = torch.Generator().manual_seed(1)
+    q, k, g = (torch.randn(B, 1, H, K, generator=gen, dtype=torch.float64) for _ in range(3))
+    v = torch.randn(B, 1, H, V, generator=gen, dtype=torch.float64)
+    beta = torch.randn(B, 1, H, generator=gen, dtype=torch.float64)
+    kw = dict(
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        A_log=torch.rand(H, generator=gen, dtype=torch.float64),
+        dt_bias=torch.randn(H * K, generator=gen, dtype=torch.float64),
+        lower_bound=lower_bound,
+        inplace_final_state=True,
+    )
+    pool = torch.randn(P, H, K, V, generator=gen, dtype=torch.float64)
+    got_pool, want_pool = pool.clone(), pool.clone()
+    if layout == "pool rows":
+        rows = torch.tensor([5, 0, 3])
+        got = fused_recurrent_kda(q, k, v, g, beta, initial_state=got_pool, ssm_state_indices=rows, **kw)[0]
+        want = _reference_step(monkeypatch, q, k, v, g, beta, initial_state=want_pool, ssm_state_indices=rows, **kw)[0]
+    else:
+        got = fused_recurrent_kda(q, k, v, g, beta, initial_state=got_pool[1:7:2], **kw)[0]
+        want = _reference_step(monkeypatch, q, k, v, g, beta, initial_state=want_pool[1:7:2], **kw)[0]
+    close(got, want, 1e-13)
+    close(got_pool, want_pool, 1e-13)
+    assert not torch.equal(got_pool, pool)  # the states moved, in place
+
+
+def test_decoding_step_kernel_refuses_a_row_outside_the_pool():
+    B, H, K, V = 1, 1, 8, 8
+    x = torch.randn(B, H, K)
+    with pytest.raises(RuntimeError, match="state row 9 is outside the pool's 4 rows"):
+        torch.ops.k3_kda.recurrent_step(
+            x, x, torch.randn(B, H, V), x, torch.randn(B, H), None, None, 1.0, None,
+            True, False, True, False, torch.zeros(4, H, K, V), torch.tensor([9]),
+        )  # fmt: skip

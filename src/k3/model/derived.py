@@ -24,6 +24,10 @@ class DerivedWeight:
     def __call__(self, *sources: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
             return self.build(*sources)
+        if torch.compiler.is_compiling():
+            # a compiled graph takes the kept tensor as it is (a graph cannot read versions or storage); one
+            # not built yet is built in the graph
+            return self._value if self._value is not None else self.build(*sources)
         key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in sources)
         fresh = self._value is not None and len(sources) == len(self._sources) and key == self._key
         if not (fresh and all(a is b for a, b in zip(sources, self._sources, strict=True))):

@@ -116,7 +116,11 @@ class K3TextModel(nn.Module):
         else:
             stream = AttnResStream(x, self.block_starts)
             readout = (self.output_attn_res_proj, self.output_attn_res_norm)
-        routing = [r for layer, c in zip(self.layers, caches, strict=True) if (r := layer(stream, c)) is not None]
+        routing = []
+        for layer, c in zip(self.layers, caches, strict=True):  # a loop: Dynamo cannot trace := in a comprehension
+            r = layer(stream, c)
+            if r is not None:
+                routing.append(r)
         return self.norm(stream.readout(readout)), routing
 
 

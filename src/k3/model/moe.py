@@ -5,6 +5,8 @@
 Shape suffixes: T tokens, D model width, L latent width, E experts, K chosen per token, A assignments (T·K).
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,23 +44,35 @@ class LatentMoE(nn.Module):
         x_TD = x.reshape(-1, shape[-1])
         routing = self.gate(x_TD)
         z_TL = self.routed_expert_down_proj(x_TD)
-        u_TL = self.dispatch(z_TL, routing)
+        if torch.compiler.is_compiling() and not torch.is_grad_enabled() and self.plain_experts():
+            # inside a compiled serving step: the experts behind one operator (their row counts decide
+            # the shapes of their matmuls, which a graph cannot)
+            u_TL = torch.ops.k3.moe_experts(
+                z_TL,
+                routing.experts_TK,
+                routing.weights_TK,
+                [ex.w1.weight for ex in self.experts],
+                [ex.w3.weight for ex in self.experts],
+                [ex.w2.weight for ex in self.experts],
+                *self.act,
+            )
+        else:
+            u_TL = self.dispatch(z_TL, routing)
         y_TD = self.routed_expert_up_proj(self.routed_expert_norm(u_TL))
         if hasattr(self, "shared_experts"):
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.view(shape), routing
+
+    def plain_experts(self) -> bool:
+        """Whether the experts are unquantised nn.Linear layers (what k3::moe_experts takes)."""
+        return not self.quantization and all(type(ex.w1) is nn.Linear for ex in self.experts[:1])
 
     def dispatch(self, z_TL: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         """Σ_k w_tk · Expert_{e_tk}(z_t): assignments sorted by expert so each expert's tokens are one
         contiguous run, the experts applied run by run (`experts_forward`), the results weighted and summed
         back per token. Expert parallelism replaces only the middle step (the runs travel to the ranks that
         own their experts), so it computes exactly what this does."""
-        K = routing.experts_TK.shape[1]
-        order_A = routing.experts_TK.flatten().argsort(stable=True)
-        tokens_A = order_A // K  # which token each sorted assignment belongs to
-        weights_A = routing.weights_TK.flatten()[order_A].to(z_TL.dtype)
-        h_AL = self.experts_forward(z_TL.index_select(0, tokens_A), routing.loads_E.tolist())
-        return torch.zeros_like(z_TL).index_add_(0, tokens_A, h_AL * weights_A[:, None])
+        return combine(z_TL, routing.experts_TK, routing.weights_TK, routing.loads_E.tolist(), self.experts_forward)
 
     def experts_forward(self, z_AL: torch.Tensor, counts: list[int], first: int = 0) -> torch.Tensor:
         """z_AL (A, L) sorted by expert, counts[i] rows for expert first + i -> h_AL (A, L), Expert(z) per row.
@@ -73,23 +87,82 @@ class LatentMoE(nn.Module):
         in blocks of 32, so the result of a row does not depend on which rows share the call.
         """
         active = [(self.experts[first + i], n) for i, n in enumerate(counts) if n]
-        sizes = [n for _, n in active]
-        if not active:
-            return z_AL.new_zeros(0, z_AL.shape[1])
         weight, x = (quantized_weight, quantized_input) if self.quantization else (_plain_weight, _identity)
-        z_AL = x(z_AL)
-        z_parts = z_AL.split(sizes)  # split: its backward is one cat
-        if len(z_AL) * self.experts[first].w1.out_features > MERGE_ELEMENTS:
-            return torch.cat(
-                [
-                    F.linear(x(glu(F.linear(z, weight(ex.w1)), F.linear(z, weight(ex.w3)), *self.act)), weight(ex.w2))
-                    for (ex, _), z in zip(active, z_parts, strict=True)
-                ]
-            )
-        gate_AI = torch.cat([F.linear(z, weight(ex.w1)) for (ex, _), z in zip(active, z_parts, strict=True)])
-        up_AI = torch.cat([F.linear(z, weight(ex.w3)) for (ex, _), z in zip(active, z_parts, strict=True)])
-        h_parts = x(glu(gate_AI, up_AI, *self.act)).split(sizes)
-        return torch.cat([F.linear(h, weight(ex.w2)) for (ex, _), h in zip(active, h_parts, strict=True)])
+        weights = [(weight(ex.w1), weight(ex.w3), weight(ex.w2)) for ex, _ in active]
+        return run_experts(z_AL, [n for _, n in active], weights, self.act, x)
+
+
+def combine(
+    z_TL: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    counts: list[int],
+    experts_forward: Callable[[torch.Tensor, list[int]], torch.Tensor],
+) -> torch.Tensor:
+    """Σ_k w_tk · Expert_{e_tk}(z_t), with experts_forward(z_AL, counts) applying the experts to the
+    assignments sorted by expert (LatentMoE.dispatch)."""
+    K = experts_TK.shape[1]
+    order_A = experts_TK.flatten().argsort(stable=True)
+    tokens_A = order_A // K  # which token each sorted assignment belongs to
+    weights_A = weights_TK.flatten()[order_A].to(z_TL.dtype)
+    h_AL = experts_forward(z_TL.index_select(0, tokens_A), counts)
+    return torch.zeros_like(z_TL).index_add_(0, tokens_A, h_AL * weights_A[:, None])
+
+
+def run_experts(
+    z_AL: torch.Tensor,
+    sizes: list[int],
+    weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    act: tuple[str, float, float],
+    x: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """z_AL (A, L) in runs of sizes[i] rows for the i-th expert, whose (w1, w3, w2) weights are weights[i],
+    inputs quantised by x -> h_AL (A, L) (LatentMoE.experts_forward)."""
+    if not sizes:
+        return z_AL.new_zeros(0, z_AL.shape[1])
+    z_AL = x(z_AL)
+    z_parts = z_AL.split(sizes)  # split: its backward is one cat
+    if len(z_AL) * weights[0][0].shape[0] > MERGE_ELEMENTS:
+        return torch.cat(
+            [
+                F.linear(x(glu(F.linear(z, w1), F.linear(z, w3), *act)), w2)
+                for (w1, w3, w2), z in zip(weights, z_parts, strict=True)
+            ]
+        )
+    gate_AI = torch.cat([F.linear(z, w1) for (w1, _, _), z in zip(weights, z_parts, strict=True)])
+    up_AI = torch.cat([F.linear(z, w3) for (_, w3, _), z in zip(weights, z_parts, strict=True)])
+    h_parts = x(glu(gate_AI, up_AI, *act)).split(sizes)
+    return torch.cat([F.linear(h, w2) for (_, _, w2), h in zip(weights, h_parts, strict=True)])
+
+
+@torch.library.custom_op("k3::moe_experts", mutates_args=())
+def moe_experts(
+    z_TL: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    w1: list[torch.Tensor],
+    w3: list[torch.Tensor],
+    w2: list[torch.Tensor],
+    act: str,
+    beta1: float,
+    beta2: float,
+) -> torch.Tensor:
+    """LatentMoE.dispatch as one operator, for unquantised experts given as their weights (w1[e], w3[e], w2[e]
+    of expert e): z_TL (T, L), the routing's experts_TK and weights_TK -> u_TL (T, L). The seam a compiled
+    graph calls, since the experts' row counts, read from the routing, decide the shapes of their matmuls."""
+    counts = torch.bincount(experts_TK.flatten(), minlength=len(w1)).tolist()
+    active = [e for e, n in enumerate(counts) if n]
+
+    def experts_forward(z_AL: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        weights = [(w1[e], w3[e], w2[e]) for e in active]
+        return run_experts(z_AL, [counts[e] for e in active], weights, (act, beta1, beta2), _identity)
+
+    return combine(z_TL, experts_TK, weights_TK, counts, experts_forward)
+
+
+@moe_experts.register_fake
+def _(z_TL, experts_TK, weights_TK, w1, w3, w2, act, beta1, beta2) -> torch.Tensor:
+    return torch.empty_like(z_TL)
 
 
 def _plain_weight(layer: nn.Module) -> torch.Tensor:

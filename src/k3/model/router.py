@@ -45,5 +45,7 @@ class Router(nn.Module):
         weights_TK = scores_TE.gather(1, experts_TK)
         if self.renormalize:
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
-        loads_E = torch.bincount(experts_TK.flatten(), minlength=E)
+        # counted by index_add (bincount's length depends on the values, which a compiled graph cannot trace)
+        chosen = experts_TK.flatten()
+        loads_E = chosen.new_zeros(E).index_add_(0, chosen, torch.ones_like(chosen))
         return RouterOutput(weights_TK * self.scale, experts_TK, scores_TE, cutoff_T, loads_E)

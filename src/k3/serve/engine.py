@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.model.model import K3Model
+from k3.serve.compiled_step import resolve as resolve_compile
 from k3.serve.images import ImageStore
 from k3.serve.layout import PageLayout
 from k3.serve.model_runner import ModelRunner, StepOutput
@@ -56,12 +57,17 @@ class EngineConfig:
     # speculate only while at most this many requests run (None: always): on a CPU a full batch already uses
     # the compute that verifying proposals needs, and speculation then slows it down (docs/benchmarks.md)
     spec_max_batch: int | None = None
+    # run each step's forward as one compiled graph (k3.serve.compiled_step): None follows $K3_COMPILE (default
+    # auto: wherever the model and machine allow it), False the eager reference, True or an error saying why not
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         if (self.memory_budget is None) == (self.num_pages is None):
             raise ValueError("give exactly one of memory_budget (bytes) and num_pages")
         if self.spec_max_batch is not None and (not isinstance(self.spec_max_batch, int) or self.spec_max_batch < 0):
             raise ValueError(f"spec_max_batch must be None or an int >= 0, got {self.spec_max_batch!r}")
+        if self.compile not in (None, True, False):
+            raise ValueError(f"compile must be None (auto), True or False, got {self.compile!r}")
 
 
 @dataclass
@@ -95,7 +101,8 @@ class LLMEngine:
             block = config.hash_block_pages * self.layout.page_tokens
             self.cache = PrefixCache(self.pool, block, block * config.checkpoint_interval_units)
         self.scheduler = Scheduler(config.scheduler, self.pool, self.cache)
-        self.runner = ModelRunner(model, self.pool, config.spec_rollback)
+        compile = resolve_compile(model, config.compile)
+        self.runner = ModelRunner(model, self.pool, config.spec_rollback, compile=compile)
         # images: their tokens carry content-keyed ids above the vocabulary (k3.serve.images)
         self.images = ImageStore(model) if model.config.vision_config is not None else None
         self.runner.images = self.images

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from k3.model.model import K3Model
+from k3.serve.compiled_step import CompiledStep
 from k3.serve.paged_cache import PackedBatch
 from k3.serve.plan import StepPlan
 from k3.serve.pool import PagePool
@@ -32,11 +33,15 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: K3Model, pool: PagePool, rollback: str = "snapshot"):
+    """compile: run each step's forward as one compiled graph (k3.serve.compiled_step); steps that need the
+    draft's features, and a vision model's, run eagerly."""
+
+    def __init__(self, model: K3Model, pool: PagePool, rollback: str = "snapshot", compile: bool = False):
         self.model, self.pool, self.rollback_mode = model.eval(), pool, rollback
         self.config = model.config
         self.device = pool.storage.device
         self.images = None  # the engine's k3.serve.images.ImageStore, for a vision model
+        self.compiled = CompiledStep(model) if compile else None
 
     def reset_state(self, state_pages: list[int]) -> None:
         """Zero KDA state pages: a piece starting at token 0 starts from S = 0 and empty conv tails."""
@@ -65,6 +70,11 @@ class ModelRunner:
         token_ids, image_embeds = batch.token_ids, None
         if self.images is not None:  # image token ids -> the placeholder and its stored embedding
             token_ids, image_embeds = self.images.resolve(token_ids)
+        if feature_blocks is None and self.compiled is not None and self.images is None:
+            logits = self.compiled(batch)
+            if logits is not None:
+                return StepOutput(logits, None, batch)
+            self.compiled = None  # it did not compile (the reason is logged): this step and the later ones eager
         if feature_blocks is None:
             logits = self.model(token_ids, cache=batch, logits_at=batch.logits_at, image_embeds=image_embeds).logits[0]
             return StepOutput(logits, None, batch)

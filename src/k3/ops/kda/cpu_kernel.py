@@ -30,7 +30,8 @@ from k3.ops.kda.inputs import pad_time
 
 ENV_VAR = "K3_KDA_CPU_KERNEL"
 CHOICES = ("auto", "off")
-SOURCE = Path(__file__).parent / "csrc" / "chunk_kda_cpu.cpp"
+# the chunked op's forward and backward, and the decoding step (k3_kda::recurrent_step, fused_recurrent.py's)
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("chunk_kda_cpu.cpp", "recurrent_kda_cpu.cpp")]
 ROW_BLOCK = 16  # the kernel's row block (BS): chunk sizes must be multiples of it
 
 
@@ -49,7 +50,8 @@ def _cpu_signature() -> str:
 
 
 def _key() -> str:
-    parts = [SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(), _cpu_signature().encode()]
+    parts = [*(p.read_bytes() for p in SOURCES), torch.__version__.encode(), sys.version.encode()]
+    parts.append(_cpu_signature().encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -88,7 +90,7 @@ def _build_and_load(build: Path, key: str) -> None:
     build.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=f"k3_kda_cpu_{key}",
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in SOURCES],
         extra_cflags=_flags(),
         extra_ldflags=["-fopenmp"],
         build_directory=str(build),
@@ -147,6 +149,10 @@ def _register_fakes() -> None:
         starts = q.new_empty(B * H if keep_starts else 0, T // chunk_size, K, V)
         return v.new_empty(v.shape), q.new_empty(num_seqs, H, K, V), starts
 
+    @torch.library.register_fake("k3_kda::recurrent_step")
+    def _(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, l2norm, gate, beta_sigmoid, neg_eigval, states, rows):
+        return v.new_empty(v.shape)
+
     @torch.library.register_fake("k3_kda::chunk_bwd")
     def _(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_first, seq_last, num_seqs):
         H, K = q.shape[2:]
@@ -195,6 +201,42 @@ def describe() -> str:
 def _require() -> None:
     if not _loaded():
         raise RuntimeError(f"k3's KDA CPU kernel is not available: {_status['reason']}")
+
+
+def step_usable(q: torch.Tensor, v: torch.Tensor, states: torch.Tensor) -> bool:
+    """Whether the kernel runs a decoding step (one token per sequence, states updated in place) on these: CPU,
+    one dtype (fp32 or fp64) throughout, as many value heads as key heads, each state a contiguous block."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or v.shape[2] != q.shape[2]:
+        return False
+    if states.dtype != q.dtype or states.dim() != 4 or not states[0].is_contiguous():
+        return False
+    return _enabled()
+
+
+def recurrent_step(q, k, v, g, beta, A_log, dt_bias, scale, flags, states, rows) -> torch.Tensor:
+    """fused_recurrent_kda's decoding step on the kernel: q, k, g (B, 1, H, K), v (B, 1, H, V), beta (B, 1, H),
+    the raw inputs its flags describe; states (P, H, K, V) updated in place at rows (B,), or (B, H, K, V) with
+    rows None. Returns o (B, 1, H, V)."""
+    _require()
+    dt = q.dtype
+
+    def param(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.detach().to(dt).reshape(-1).contiguous()
+
+    o = torch.ops.k3_kda.recurrent_step(
+        *(x.select(1, 0).to(dt) for x in (q, k, v, g, beta)),
+        param(A_log) if flags.use_gate_in_kernel else None,
+        param(dt_bias) if flags.use_gate_in_kernel else None,
+        float(scale),
+        flags.lower_bound,
+        flags.use_qk_l2norm_in_kernel,
+        flags.use_gate_in_kernel,
+        flags.use_beta_sigmoid_in_kernel,
+        flags.allow_neg_eigval,
+        states,
+        None if rows is None else rows.to(torch.int64).contiguous(),
+    )
+    return o.unsqueeze(1)
 
 
 def _padded(x: torch.Tensor, T: int) -> torch.Tensor:

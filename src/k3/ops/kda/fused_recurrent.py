@@ -3,6 +3,7 @@ state, optionally updating a caller-owned state tensor (or rows of a state pool)
 
 import torch
 
+import k3.ops.kda.cpu_kernel as cpu_kernel
 from k3.ops.kda.backend import KernelContractError, kernels, on_device, resolve
 from k3.ops.kda.decay import floored_exp
 from k3.ops.kda.inputs import KDAFlags, check_inputs, compute_dtype, prepare, seq_bounds
@@ -95,6 +96,22 @@ def fused_recurrent_kda(
         )
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if (
+        inplace_final_state
+        and not grad
+        and q.shape[1] == 1
+        and cu_seqlens is None
+        and (ssm_state_indices is None or ssm_state_indices.dim() == 1)
+        and cpu_kernel.step_usable(q, v, pool)
+    ):
+        # a decoding step on the CPU: the C++ kernel, in place on the states (the torch path below is its
+        # reference)
+        o = cpu_kernel.recurrent_step(q, k, v, g, beta, A_log, dt_bias, scale, flags, pool, ssm_state_indices)
+        final = None
+        if output_final_state:
+            final = pool if ssm_state_indices is None else pool[ssm_state_indices]
+            final = final.transpose(-1, -2) if state_v_first else final
+        return o.to(v.dtype), final
     q, k, v2, g, beta, h0 = prepare(q, k, v, g, beta, initial_state, flags, A_log, dt_bias)
     if cu_seqlens is not None:
         # One batch row per sequence, zero-padded at the end: zeros leave the state as it is.

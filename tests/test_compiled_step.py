@@ -1,0 +1,129 @@
+"""The serving step compiled (k3.serve.compiled_step) against the eager engine, its reference: the same greedy
+tokens and log-probabilities to fp64 rounding, through prefill chunks, prefix-cache hits, decode batches and
+preemption; the seams' operators against what they stand for; the settings' errors."""
+
+import random
+
+import pytest
+import torch
+
+from k3.formats.tokenizer import byte_tokenizer
+from k3.model.moe import moe_experts
+from k3.serve.compiled_step import StepContext, compile_blocker, resolve, step_context
+from k3.serve.engine import EngineConfig, LLMEngine
+from k3.serve.sampling import SamplingParams
+from k3.serve.scheduler import SchedulerConfig
+from tiny_models import tiny_model
+
+TOK = byte_tokenizer()
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(vocab_size=TOK.vocab_size, router_bias_std=0.3)
+
+
+def engine(model, compile: bool, num_pages=400, caching=True, **sched) -> LLMEngine:
+    config = EngineConfig(
+        num_pages=num_pages, enable_prefix_caching=caching, scheduler=SchedulerConfig(**sched), compile=compile
+    )
+    return LLMEngine(model, TOK, config)
+
+
+def run(eng: LLMEngine, prompts, params=PARAMS) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's tokens and their log-probabilities, every request added at once."""
+    ids = [eng.add_request(p, params) for p in prompts]
+    out = {i: ([], []) for i in ids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id][0].extend(o.new_token_ids)
+            out[o.request_id][1].extend(lp.logprob for lp in o.logprobs or ())
+    return [out[i] for i in ids]
+
+
+def assert_same(compiled, eager):
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(compiled, eager, strict=True):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), rtol=0, atol=1e-9)
+
+
+def prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(40)]
+    return [system + [rng.randrange(256) for _ in range(rng.randrange(1, 45))] for _ in range(n)]
+
+
+def test_compiled_engine_equals_eager_through_chunks_cache_hits_and_batches(model):
+    """Chunked prefills beside decode rows (a 16-token budget), then a second wave that hits the prefix cache:
+    the compiled engine's tokens are the eager engine's, and so are their log-probabilities."""
+    first, second = prompts(0, 5), prompts(0, 9)[5:]
+    eager = engine(model, compile=False, max_batched_tokens=16)
+    compiled = engine(model, compile=True, max_batched_tokens=16)
+    assert compiled.runner.compiled is not None and eager.runner.compiled is None
+    for wave in (first, second):
+        assert_same(run(compiled, wave), run(eager, wave))
+    assert compiled.metrics()["state_hit_tokens"] > 0
+    assert compiled.runner.compiled.compile_seconds > 0
+    compiled.pool.check()
+
+
+def test_compiled_engine_keeps_results_exact_under_preemption(model):
+    ps = [list(range(1, 1 + n)) for n in (30, 31, 32, 33)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    pages = 2 * (3 + 5)  # two requests' worth: the others are preempted and recomputed
+    eager = run(engine(model, compile=False, num_pages=pages, caching=False, reserve_output_fraction=0.0), ps, params)
+    eng = engine(model, compile=True, num_pages=pages, caching=False, reserve_output_fraction=0.0)
+    assert_same(run(eng, ps, params), eager)
+    assert eng.metrics()["preemptions"] > 0 and eng.pool.num_used == 0
+
+
+def test_moe_experts_operator_equals_the_module_dispatch(model):
+    """k3::moe_experts (the compiled graph's seam) computes LatentMoE.dispatch, for odd token counts."""
+    moe = next(layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe"))
+    torch.manual_seed(0)
+    for T in (1, 3, 17):
+        x = torch.randn(T, model.config.hidden_size, dtype=torch.float64)
+        routing = moe.gate(x)
+        z = moe.routed_expert_down_proj(x)
+        with torch.no_grad():
+            want = moe.dispatch(z, routing)
+            got = moe_experts(
+                z,
+                routing.experts_TK,
+                routing.weights_TK,
+                [ex.w1.weight for ex in moe.experts],
+                [ex.w3.weight for ex in moe.experts],
+                [ex.w2.weight for ex in moe.experts],
+                *moe.act,
+            )
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
+
+
+def test_mix_operator_outside_a_step_says_so():
+    with pytest.raises(RuntimeError, match="inside a compiled serving step"):
+        torch.ops.k3_step.mix([torch.zeros(1, 2, 3)], 0, 1, 3)
+    with step_context(StepContext(batch=None, mixers=[])):  # the context is per thread and restored after
+        pass
+    with pytest.raises(RuntimeError, match="inside a compiled serving step"):
+        torch.ops.k3_step.mix([torch.zeros(1, 2, 3)], 0, 1, 3)
+
+
+def test_compile_settings(model, monkeypatch):
+    assert compile_blocker(model) is None
+    assert resolve(model, False) is False and resolve(model, True) is True
+    monkeypatch.setenv("K3_COMPILE", "auto")
+    assert resolve(model, None) is True
+    monkeypatch.setenv("K3_COMPILE", "off")
+    assert resolve(model, None) is False
+    monkeypatch.setenv("K3_COMPILE", "yes")
+    with pytest.raises(ValueError, match=r"K3_COMPILE must be one of \('auto', 'on', 'off'\), got 'yes'"):
+        resolve(model, None)
+    with pytest.raises(ValueError, match="compile must be None"):
+        EngineConfig(num_pages=10, compile="yes")
+    quantized = tiny_model(vocab_size=TOK.vocab_size, expert_quantization="mxfp4")
+    assert "MXFP4" in compile_blocker(quantized)
+    with pytest.raises(ValueError, match=r"compile=True, but MXFP4-packed experts .*--no-compile"):
+        resolve(quantized, True)
+    monkeypatch.setenv("K3_COMPILE", "auto")
+    assert resolve(quantized, None) is False  # auto: eager, with the reason logged
