@@ -11,7 +11,7 @@ LlamaForCausalLM with the same active parameters (benchmarks/train_step.py's `ll
     max_batched_tokens 4096 was the best of 512, 1024, 4096 and N·P in a sweep on 2 cores (≈ 10% apart,
     within this machine's noise): a large budget admits prompts sooner, so fewer, fuller decode steps.
 (b) decode ms/token for one sequence at each context: the engine's step() after its chunked prefill
-    (its runner decodes with the absorbed MLA path; a second column forces the naive one), against
+    with the compiled step (k3.serve.compiled_step, what `k3 serve` runs) and with the eager one, against
     Llama's forward with its KV cache after the same chunked prefill.
 (c) decode-state bytes per token: the pages one request holds in the engine's pool, against the
     tensors of Llama's KV cache, both after the prefill of (b).
@@ -61,9 +61,11 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def new_engine(model: K3Model, caching: bool, max_batched_tokens: int) -> LLMEngine:
+def new_engine(model: K3Model, caching: bool, max_batched_tokens: int, compile: bool = True) -> LLMEngine:
+    """An engine with the compiled step (the default k3 serve runs), or with compile=False the eager one."""
     sched = SchedulerConfig(max_num_seqs=64, max_batched_tokens=max_batched_tokens)
-    return LLMEngine(model, TOK, EngineConfig(memory_budget=POOL_BYTES, enable_prefix_caching=caching, scheduler=sched))
+    config = EngineConfig(memory_budget=POOL_BYTES, enable_prefix_caching=caching, scheduler=sched, compile=compile)
+    return LLMEngine(model, TOK, config)
 
 
 def run_engine(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
@@ -92,17 +94,6 @@ def mla_impl(model: K3Model, impl: str):
             a.impl = b
 
 
-@contextlib.contextmanager
-def engine_mla(eng: LLMEngine, impl: str | None):
-    """Force the MLA path of the engine's model (None keeps the configured "auto": absorbed for
-    decodes). Forcing "naive" for decode shows what the absorbed path buys at long context."""
-    if impl is None:
-        yield
-        return
-    with mla_impl(eng.model, impl):
-        yield
-
-
 # ---- (a) throughput ------------------------------------------------------------------------------------
 def throughput(k3: K3Model, llama: LlamaForCausalLM, args) -> dict:
     N, P, O = args.requests, args.prompt, args.output
@@ -110,19 +101,26 @@ def throughput(k3: K3Model, llama: LlamaForCausalLM, args) -> dict:
     prompts = torch.randint(0, k3.config.vocab_size, (N, P), generator=g)
     plist = prompts.tolist()
     k = min(args.sequential, N)
-    # warm-up: allocators, the chunked and recurrent KDA paths, HF's generation setup
-    run_engine(new_engine(k3, False, args.max_batched_tokens), plist[:2], greedy(4))
+    # warm-up: allocators, the chunked and recurrent KDA paths, the compiled step's graph, HF's generation setup
+    warm = new_engine(k3, False, args.max_batched_tokens)
+    run_engine(warm, plist[:2], greedy(4))
+    compile_s = warm.runner.compiled.compile_seconds
+    run_engine(new_engine(k3, False, args.max_batched_tokens, compile=False), plist[:2], greedy(4))
     with mla_impl(k3, k3.config.mla_impl):
         generate(k3, prompts[:1], 4, temperature=0)
     llama.generate(input_ids=prompts[:2], max_new_tokens=4, do_sample=False, pad_token_id=0)
 
-    eng_s, seq_s, ll_s, same = [], [], [], 0
-    for r in range(args.rounds):  # alternate so drift on a shared machine hits all three alike
+    eng_s, eager_s, seq_s, ll_s, same, same_eager = [], [], [], [], 0, 0
+    for r in range(args.rounds):  # alternate so drift on a shared machine hits all four alike
         eng = new_engine(k3, False, args.max_batched_tokens)
         t0 = time.perf_counter()
         outs, steps = run_engine(eng, plist, greedy(O))
         eng_s.append(time.perf_counter() - t0)
         assert all(len(o) == O for o in outs), "the engine returned fewer tokens than max_tokens"
+        t0 = time.perf_counter()
+        eager_outs, _ = run_engine(new_engine(k3, False, args.max_batched_tokens, compile=False), plist, greedy(O))
+        eager_s.append(time.perf_counter() - t0)
+        same_eager = sum(a == b for a, b in zip(eager_outs, outs, strict=True))
 
         # one request at a time makes the same tokens/s whatever N is: time the first k requests
         t0 = time.perf_counter()
@@ -145,12 +143,16 @@ def throughput(k3: K3Model, llama: LlamaForCausalLM, args) -> dict:
         ll_s.append(time.perf_counter() - t0)
         assert ll_out.shape == (N, P + O), f"Llama generated {ll_out.shape[1] - P} tokens, not {O}"
         print(
-            f"  round {r + 1}: engine {N * O / eng_s[-1]:.0f} out tok/s, one-at-a-time "
+            f"  round {r + 1}: engine {N * O / eng_s[-1]:.0f} out tok/s (eager step {N * O / eager_s[-1]:.0f}), "
+            "one-at-a-time "
             f"{N * O / seq_s[-1]:.0f}, Llama generate {N * O / ll_s[-1]:.0f}",
             flush=True,
         )
     return {
         "engine_s": statistics.median(eng_s),
+        "eager_s": statistics.median(eager_s),
+        "same_eager": same_eager,
+        "compile_s": compile_s,
         "sequential_s": statistics.median(seq_s),
         "llama_s": statistics.median(ll_s),
         "same_tokens": same,
@@ -167,12 +169,15 @@ def prefill_at(k3: K3Model, llama: LlamaForCausalLM, context: int, max_tokens: i
     g = torch.Generator().manual_seed(context)
     prompt = torch.randint(0, k3.config.vocab_size, (1, context), generator=g)
 
-    eng = new_engine(k3, False, PREFILL_CHUNK)
-    rid = eng.add_request(prompt[0].tolist(), greedy(max_tokens))
-    t0 = time.perf_counter()
-    while not eng.step():
-        pass
-    k3_prefill = time.perf_counter() - t0
+    prefills = {}
+    for compile in (True, False):
+        eng = new_engine(k3, False, PREFILL_CHUNK, compile=compile)
+        rid = eng.add_request(prompt[0].tolist(), greedy(max_tokens))
+        t0 = time.perf_counter()
+        while not eng.step():
+            pass
+        prefills[compile] = eng, time.perf_counter() - t0
+    (eng, k3_prefill), (eager, eager_prefill) = prefills[True], prefills[False]
     seq = eng.seqs[rid]
     page_bytes = eng.pool.capacity(context)["page_bytes"]
     assert seq.num_computed_tokens == context
@@ -189,10 +194,12 @@ def prefill_at(k3: K3Model, llama: LlamaForCausalLM, context: int, max_tokens: i
     return {
         "context": context,
         "engine": eng,
+        "eager": eager,
         "cache": cache,
         "token": out.logits[:, -1:].argmax(-1),
-        "times": {"engine": [], "naive": [], "llama": []},
+        "times": {"engine": [], "eager": [], "llama": []},
         "k3_prefill_s": k3_prefill,
+        "eager_prefill_s": eager_prefill,
         "llama_prefill_s": ll_prefill,
         "latent_bytes": n_latent * page_bytes,
         "state_bytes": n_state * page_bytes,
@@ -209,15 +216,15 @@ def decode_rounds(llama: LlamaForCausalLM, states: list[dict], rounds: int) -> N
     for st in states:  # warm-up steps
         for _ in range(2):
             st["engine"].step()
+            st["eager"].step()
     for _ in range(rounds):
         for st in states:
-            eng, times = st["engine"], st["times"]
-            for name, impl in (("engine", None), ("naive", "naive")):
-                with engine_mla(eng, impl):
-                    for _ in range(DECODE_STEPS):
-                        t0 = time.perf_counter()
-                        eng.step()
-                        times[name].append(time.perf_counter() - t0)
+            times = st["times"]
+            for name in ("engine", "eager"):  # the compiled step, then the eager one
+                for _ in range(DECODE_STEPS):
+                    t0 = time.perf_counter()
+                    st[name].step()
+                    times[name].append(time.perf_counter() - t0)
             with torch.no_grad():
                 for _ in range(DECODE_STEPS):
                     t0 = time.perf_counter()
@@ -226,10 +233,11 @@ def decode_rounds(llama: LlamaForCausalLM, states: list[dict], rounds: int) -> N
                     times["llama"].append(time.perf_counter() - t0)
     for st in states:
         st.update({f"{name}_ms": statistics.median(t) * 1e3 for name, t in st["times"].items()})
-        assert st["engine"].has_unfinished(), "the request finished before the timed steps did"
-        for rid in list(st["engine"].seqs):
-            st["engine"].abort(rid)
-        del st["engine"], st["cache"]
+        for name in ("engine", "eager"):
+            assert st[name].has_unfinished(), "the request finished before the timed steps did"
+            for rid in list(st[name].seqs):
+                st[name].abort(rid)
+        del st["engine"], st["eager"], st["cache"]
 
 
 # ---- (d) time to first token with a cached prefix ------------------------------------------------------
@@ -426,7 +434,7 @@ def main() -> None:
     decode_rounds(llama, dec, args.decode_rounds)
     for d in dec:
         print(
-            f"  {d['context']}: decode k3 {d['engine_ms']:.1f} ms (naive MLA forced {d['naive_ms']:.1f}), "
+            f"  {d['context']}: decode k3 {d['engine_ms']:.1f} ms (eager step {d['eager_ms']:.1f}), "
             f"Llama {d['llama_ms']:.1f} ms",
             flush=True,
         )
@@ -435,7 +443,7 @@ def main() -> None:
     plot_memory(config, lcfg, dec, Path(args.plot))
 
     # ---- tables ----
-    eng_tps, seq_tps, ll_tps = (N * O / tp[k] for k in ("engine_s", "sequential_s", "llama_s"))
+    eng_tps, eager_tps, seq_tps, ll_tps = (N * O / tp[k] for k in ("engine_s", "eager_s", "sequential_s", "llama_s"))
     tot = N * (P + O)
     vs_seq, vs_ll = eng_tps / seq_tps, eng_tps / ll_tps
     lines = [
@@ -444,30 +452,33 @@ def main() -> None:
         "",
         "| system | output tok/s | total tok/s | wall s | engine ÷ this |",
         "|---|---|---|---|---|",
-        f"| k3 engine (max_num_seqs 64, max_batched_tokens {args.max_batched_tokens}, prefix cache off) "
-        f"| {eng_tps:.0f} | {tot / tp['engine_s']:.0f} | {tp['engine_s']:.1f} | |",
+        f"| k3 engine, compiled step (max_num_seqs 64, max_batched_tokens {args.max_batched_tokens}, prefix cache "
+        f"off) | {eng_tps:.0f} | {tot / tp['engine_s']:.0f} | {tp['engine_s']:.1f} | |",
+        f"| k3 engine, eager step (the same, `compile=False`) | {eager_tps:.0f} | {tot / tp['eager_s']:.0f} "
+        f"| {tp['eager_s']:.1f} | {eng_tps / eager_tps:.2f}× |",
         f"| k3 one at a time (`k3.generate`; {tp['checked']} of {N} requests timed per round) | {seq_tps:.0f} "
         f"| {tot / tp['sequential_s']:.0f} | {tp['sequential_s']:.1f} | {vs_seq:.2f}× |",
         f"| Llama, HF `generate` on one batch of {N} | {ll_tps:.0f} | {tot / tp['llama_s']:.0f} "
         f"| {tp['llama_s']:.1f} | {vs_ll:.2f}× |",
         "",
         f"The engine took {tp['steps']} steps ({tp['preemptions']} preemptions). Its tokens are identical to "
-        f"one-at-a-time generation for {tp['same_tokens']} of the {tp['checked']} requests compared.",
+        f"one-at-a-time generation for {tp['same_tokens']} of the {tp['checked']} requests compared, and to the "
+        f"eager step's for {tp['same_eager']} of {N}. The compiled step's graph took {tp['compile_s']:.1f} s to "
+        "compile in the warm-up (Inductor's cache, ~/.cache/k3/inductor, as this run found it).",
         "",
         f"**(b) decode, one sequence**: ms per token, medians of {DECODE_STEPS} steps × {args.decode_rounds} "
         f"rounds (each round visits every context and system) after a prefill in chunks of {PREFILL_CHUNK}; "
-        "the engine's runner decodes with the absorbed MLA path (the naive column forces per-head keys and "
-        "values instead)",
+        "one engine with the compiled step, one with the eager step",
         "",
-        "| context | k3 engine step | k3, naive MLA forced | Llama + KV cache | k3 ÷ Llama | k3 prefill s "
-        "| Llama prefill s |",
-        "|---|---|---|---|---|---|---|",
+        "| context | k3 compiled step | k3 eager step | Llama + KV cache | compiled ÷ Llama | eager ÷ Llama "
+        "| k3 prefill s, compiled / eager | Llama prefill s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for d in dec:
         lines.append(
-            f"| {d['context']:,} | {d['engine_ms']:.1f} | {d['naive_ms']:.1f} | {d['llama_ms']:.1f} "
-            f"| {d['engine_ms'] / d['llama_ms']:.2f} | {d['k3_prefill_s']:.1f} "
-            f"| {d['llama_prefill_s']:.1f} |"
+            f"| {d['context']:,} | {d['engine_ms']:.1f} | {d['eager_ms']:.1f} | {d['llama_ms']:.1f} "
+            f"| {d['engine_ms'] / d['llama_ms']:.2f} | {d['eager_ms'] / d['llama_ms']:.2f} "
+            f"| {d['k3_prefill_s']:.1f} / {d['eager_prefill_s']:.1f} | {d['llama_prefill_s']:.1f} |"
         )
     lines += [
         "",
@@ -509,6 +520,8 @@ def main() -> None:
     vs_llama = last["engine_ms"] / last["llama_ms"]
     mem = (last["latent_bytes"] + last["state_bytes"]) / last["llama_bytes"]
     speedup = tt["cold_s"] / tt["hit_s"]
+    vs_llama_1k = first["engine_ms"] / first["llama_ms"]
+    prefill_vs = last["llama_prefill_s"] / last["k3_prefill_s"]
     exact = tt["same_first_token"] == tt["reps"] and tt["max_abs_diff"] <= 1e-4 * max(1.0, tt["logit_scale"])
     lines += [
         "",
@@ -516,12 +529,16 @@ def main() -> None:
         "",
         f"- engine ÷ one at a time ≥ 8×: {goal(vs_seq >= 8)}, {vs_seq:.1f}×",
         f"- engine ÷ Llama `generate` ≥ 1×: {goal(vs_ll >= 1)}, {vs_ll:.2f}×",
-        f"- k3 decode {ctx} ÷ 1K ≤ 1.25: {goal(growth <= 1.25)}, {growth:.2f} (naive MLA forced: "
-        f"{last['naive_ms'] / first['naive_ms']:.2f})",
-        f"- k3 ÷ Llama decode at {ctx} ≤ 0.3: {goal(vs_llama <= 0.3)}, {vs_llama:.2f} (naive MLA forced: "
-        f"{last['naive_ms'] / last['llama_ms']:.2f}); context-dependent part ({ctx} − 1K): k3 "
+        f"- engine ÷ Llama `generate` ≥ 1.5× (issue 29): {goal(vs_ll >= 1.5)}, {vs_ll:.2f}×",
+        f"- k3 ÷ Llama batch-1 decode at 1K ≤ 1.0 (issue 29): {goal(vs_llama_1k <= 1.0)}, {vs_llama_1k:.2f} "
+        f"(eager step {first['eager_ms'] / first['llama_ms']:.2f})",
+        f"- k3 decode {ctx} ÷ 1K ≤ 1.25: {goal(growth <= 1.25)}, {growth:.2f}",
+        f"- k3 ÷ Llama decode at {ctx} ≤ 0.3: {goal(vs_llama <= 0.3)}, {vs_llama:.2f} (eager step "
+        f"{last['eager_ms'] / last['llama_ms']:.2f}); context-dependent part ({ctx} − 1K): k3 "
         f"{last['engine_ms'] - first['engine_ms']:.1f} ms, Llama {last['llama_ms'] - first['llama_ms']:.1f} ms",
         f"- cache bytes per token at {ctx} ≤ 1/10 of Llama's: {goal(mem <= 0.1)}, 1/{1 / mem:.1f}",
+        f"- k3 prefill tokens/s at {ctx} ≥ Llama's (issue 29): {goal(prefill_vs >= 1)}, {prefill_vs:.2f}× "
+        f"(eager step {last['llama_prefill_s'] / last['eager_prefill_s']:.2f}×)",
         f"- TTFT cold ÷ cached ≥ 10× with identical logits: {goal(speedup >= 10 and exact)}, {speedup:.1f}×, "
         f"first token identical {tt['same_first_token']}/{tt['reps']}, max abs logit difference "
         f"{tt['max_abs_diff']:.1e}",

@@ -9,6 +9,7 @@ import torch
 
 from k3.formats.tokenizer import byte_tokenizer
 from k3.model.moe import moe_experts
+from k3.ops import moe_cpu
 from k3.serve.compiled_step import StepContext, compile_blocker, resolve, step_context
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams
@@ -78,11 +79,17 @@ def test_compiled_engine_keeps_results_exact_under_preemption(model):
     assert eng.metrics()["preemptions"] > 0 and eng.pool.num_used == 0
 
 
-def test_moe_experts_operator_equals_the_module_dispatch(model):
-    """k3::moe_experts (the compiled graph's seam) computes LatentMoE.dispatch, for odd token counts."""
+@pytest.mark.parametrize("kernel", [True, False])
+def test_moe_experts_operator_equals_the_module_dispatch(model, monkeypatch, kernel):
+    """k3::moe_experts (the compiled graph's seam; the C++ kernel k3_cpu::moe_experts, or its PyTorch path)
+    computes LatentMoE.dispatch, for odd token counts, with SiTU and with SwiGLU."""
+    if not kernel:
+        monkeypatch.setattr(moe_cpu, "usable", lambda *a: False)
     moe = next(layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe"))
+    monkeypatch.setattr(moe, "act", moe.act)
     torch.manual_seed(0)
-    for T in (1, 3, 17):
+    for T, act in [(1, "situ"), (3, "situ"), (17, "situ"), (5, "silu")]:
+        moe.act = (act, *moe.act[1:])
         x = torch.randn(T, model.config.hidden_size, dtype=torch.float64)
         routing = moe.gate(x)
         z = moe.routed_expert_down_proj(x)
@@ -97,7 +104,7 @@ def test_moe_experts_operator_equals_the_module_dispatch(model):
                 [ex.w2.weight for ex in moe.experts],
                 *moe.act,
             )
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
 
 
 def test_mix_operator_outside_a_step_says_so():

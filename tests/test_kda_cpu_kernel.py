@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from k3.ops import cpu_library
 from k3.ops.kda import chunk_kda, cpu_kernel, fused_recurrent_kda, naive_recurrent_kda
 from k3.ops.kda.chunk import chunk_kda_bwd, chunk_kda_fwd
 
@@ -219,12 +220,12 @@ def test_torch_compile_traces_the_op_as_one_node_each_way():
 def test_a_truncated_cached_library_is_recognised(tmp_path):
     """dlopen of a truncated library can die with SIGBUS instead of raising, so the cache is checked first (a
     truncated one is built again; tried by hand: a 1,000-byte cut of the library rebuilds in ~15 s)."""
-    built = next(cpu_kernel.cache_dir().glob(f"chunk_kda_cpu_{cpu_kernel._key()}/*.so"))
-    assert not cpu_kernel._truncated(built)
+    built = next(cpu_library.cache_dir().glob(f"{cpu_library.NAME}_{cpu_library._key()}/*.so"))
+    assert not cpu_library._truncated(built)
     for size in (10, 1000, built.stat().st_size - 1):
         cut = tmp_path / f"cut{size}.so"
         cut.write_bytes(built.read_bytes()[:size])
-        assert cpu_kernel._truncated(cut), size
+        assert cpu_library._truncated(cut), size
 
 
 def test_the_operators_check_shapes_against_each_other():
@@ -302,3 +303,55 @@ def test_decoding_step_kernel_refuses_a_row_outside_the_pool():
             x, x, torch.randn(B, H, V), x, torch.randn(B, H), None, None, 1.0, None,
             True, False, True, False, torch.zeros(4, H, K, V), torch.tensor([9]),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_a_kda_layers_decoding_step_on_the_kernel_equals_its_reference(monkeypatch, lower_bound):
+    """KimiDeltaAttention.mix for one token: k3_kda::conv_recurrent_step (convolutions, conv tails shifted in
+    place, recurrence) against the layer's own path (causal_conv + fused_recurrent_kda's torch path) in float64,
+    the states and tails as rows of a pool, on odd sizes and the bounded and unbounded gates."""
+    from k3 import K3Config
+    from k3.model.kda import KimiDeltaAttention
+
+    config = K3Config.from_preset("tiny", kda_num_heads=3, kda_head_dim=24, gate_lower_bound=lower_bound)
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(config).double()
+    layer.reset_gate_parameters()
+    B, P, H, K = 3, 7, 3, 24
+    C, w = 2 * H * K + H * K, config.short_conv_kernel_size
+    rows = torch.tensor([4, 0, 6])
+
+    class Rows:  # the decoding protocol over a pool's rows (k3.serve.kda_state.PagedKDAState's)
+        def __init__(self, states, convs):
+            self.states, self.convs = states, convs
+
+        def decode_rows(self):
+            return self.states, self.convs, rows
+
+        @property
+        def conv(self):
+            return self.convs[rows]
+
+        @conv.setter
+        def conv(self, value):
+            self.convs[rows] = value
+
+        def update_state(self, step):
+            return step(self.states, rows)
+
+    states = torch.randn(P, H, K, K, dtype=torch.float64)
+    convs = torch.randn(P, C, w - 1, dtype=torch.float64)
+    qkv = torch.randn(B, 1, C, dtype=torch.float64)
+    g_raw, beta_raw = torch.randn(B, 1, H, K, dtype=torch.float64), torch.randn(B, 1, H, dtype=torch.float64)
+    assert cpu_kernel.conv_step_usable(qkv, states, convs)
+    with torch.no_grad():
+        fast = Rows(states.clone(), convs.clone())
+        got = layer.mix(qkv, g_raw, beta_raw, fast)
+        slow = Rows(states.clone(), convs.clone())
+        monkeypatch.setattr(cpu_kernel, "conv_step_usable", lambda *a: False)
+        monkeypatch.setattr(cpu_kernel, "step_usable", lambda *a: False)
+        want = layer.mix(qkv, g_raw, beta_raw, slow)
+    close(got, want, 1e-13)
+    close(fast.states, slow.states, 1e-13)
+    assert torch.equal(fast.convs, slow.convs)  # the tails are shifted, not computed
+    assert not torch.equal(fast.convs, convs)

@@ -65,6 +65,7 @@ def _generate(args: argparse.Namespace, mid_line: list[bool]) -> int:
             text_only=args.text_only,
             quantization=args.quantization,
             device=device,
+            compile=args.compile,
         )
         request = image_prompt(llm, pictures, prompt) if pictures else prompt  # token ids with the images
         if args.verbose:

@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="an image before the prompt, for a vision model (repeatable; docs/vision.md)",
     )
+    gen.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run each engine step as one compiled graph: faster steps after a compile of ~10 s (~1 min the first "
+        "time on a machine), so for long outputs; k3 serve compiles by default (default: off)",
+    )
     gen.add_argument("--verbose", action="store_true", help="print the page pool's layout and capacity to stderr")
     size = gen.add_mutually_exclusive_group()
     size.add_argument("--memory-budget", type=float, default=None, help="MiB for the engine's page pool (256)")

@@ -46,6 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             quantization=args.quantization,
             max_num_seqs=args.max_num_seqs,
             speculative_model=args.speculative_model,
+            compile=args.compile,
         )
     except USER_ERRORS as e:
         return _fail("serve", e)
@@ -178,5 +179,12 @@ def _add_serve_parser(sub) -> None:
     size.add_argument("--num-pages", type=int, default=None, help="the page pool's size in pages instead")
     srv.add_argument(
         "--speculative-model", default=None, help="a draft folder from `k3 train-draft`: speculative decoding"
+    )
+    srv.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each engine step as one compiled graph (default: where the model and machine allow it, "
+        "$K3_COMPILE=auto); --no-compile runs the eager reference",
     )
     srv.set_defaults(func=cmd_serve)

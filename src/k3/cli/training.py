@@ -230,7 +230,8 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
             f"{trainer.train_data.num_sequences * args.seq_len / 1e6:.1f}M training tokens"
         )
         summary = trainer.train()
-        llm = LLM(str(out), memory_budget=64 << 20)
+        # eager steps: the demo's few hundred tokens take less time than compiling the step would
+        llm = LLM(str(out), memory_budget=64 << 20, compile=False)
     except KeyboardInterrupt:
         return _interrupted("quickstart", trainer, lambda resume: _rerun_command(args, train_args, resume))
     except RUN_ERRORS as e:

@@ -37,6 +37,11 @@ class KDALayerCache:
         state yet (the first call of a sequence runs the chunked form instead)."""
         return None if self.state is None else step(self.state, None)
 
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """Where a one-token step may update the state and conv tail in place: (states (B, H, K, V), conv tails
+        (B, 2HK + HV, kernel−1), None), or None before the first call."""
+        return None if self.state is None or self.conv is None else (self.state, self.conv, None)
+
 
 @dataclass
 class MLALayerCache:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import k3.ops.kda.cpu_kernel as cpu_kernel
 from k3.config import K3Config
 from k3.model.cache import GroupedLayerCache, KDALayerCache, sequence_mixing
 from k3.model.derived import DerivedWeight
@@ -89,8 +90,6 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = qkv.shape
         H, K, V = self.H, self.K, self.V
         w_conv = self._fused_conv(self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
-        qkv, tail = causal_conv(qkv, w_conv, cache.conv if cache is not None else None)
-        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         kw = dict(
             use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
@@ -99,6 +98,15 @@ class KimiDeltaAttention(nn.Module):
             dt_bias=self.dt_bias,
             lower_bound=self.lower_bound,
         )
+        if T == 1 and cache is not None and not torch.is_grad_enabled():
+            # decoding on the CPU: the convolutions and the recurrence in one C++ call, in place where the cache
+            # keeps the states and conv tails (the path below is its reference)
+            where = cache.decode_rows()
+            if where is not None and cpu_kernel.conv_step_usable(qkv, where[0], where[1]):
+                o = cpu_kernel.conv_recurrent_kda(qkv[:, 0], g_raw[:, 0], beta_raw[:, 0], w_conv, *where, **kw)
+                return o.unsqueeze(1)
+        qkv, tail = causal_conv(qkv, w_conv, cache.conv if cache is not None else None)
+        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V)
         if cache is None:
             return chunk_kda(q, k, v, g_raw, beta_raw, **kw)[0]

@@ -15,6 +15,7 @@ from k3.config import K3Config
 from k3.model.norm import RMSNorm
 from k3.model.router import Router, RouterOutput
 from k3.model.situ import Expert, GatedMLP, glu
+from k3.ops import moe_cpu
 from k3.quant.qat import quantized_input, quantized_weight
 
 # Above this many hidden activations (assignments × expert width) the experts run one whole chain each.
@@ -149,7 +150,10 @@ def moe_experts(
 ) -> torch.Tensor:
     """LatentMoE.dispatch as one operator, for unquantised experts given as their weights (w1[e], w3[e], w2[e]
     of expert e): z_TL (T, L), the routing's experts_TK and weights_TK -> u_TL (T, L). The seam a compiled
-    graph calls, since the experts' row counts, read from the routing, decide the shapes of their matmuls."""
+    graph calls, since the experts' row counts, read from the routing, decide the shapes of their matmuls.
+    On the CPU it runs k3's C++ kernel (k3.ops.moe_cpu) where that loads; this path is its reference."""
+    if moe_cpu.usable(z_TL, w1[0]):
+        return moe_cpu.moe_experts(z_TL, experts_TK, weights_TK, w1, w3, w2, act, beta1, beta2)
     counts = torch.bincount(experts_TK.flatten(), minlength=len(w1)).tolist()
     active = [e for e, n in enumerate(counts) if n]
 

@@ -73,7 +73,9 @@ def mix(xs: list[torch.Tensor], layer: int, heads: int, head_dim: int) -> torch.
     context = getattr(_local, "context", None)
     if context is None:
         raise RuntimeError("k3_step::mix runs inside a compiled serving step (step_context), not on its own")
-    return context.batch.layers[layer].mix(context.mixers[layer], *xs)
+    # contiguous, as the fake kernel promises: the graph reads the output by those strides (MLA's naive path
+    # returns a transposed view)
+    return context.batch.layers[layer].mix(context.mixers[layer], *xs).contiguous()
 
 
 @mix.register_fake
@@ -122,10 +124,14 @@ class CompiledStep:
             layer.self_attn.mix if layer.kind == "kda" else layer.self_attn.attend for layer in model.model.layers
         ]
         self.seams = SeamCache(model)
+        # one eager token builds the tensors the model keeps across inference calls (k3.model.derived: KDA's
+        # concatenated projections), so the graph takes them as inputs instead of concatenating every step
+        with torch.no_grad():
+            model(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device))
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         cache_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
-        self._compiled = torch.compile(self._forward, fullgraph=True)
+        self._compiled = torch.compile(self._forward, fullgraph=True, options={"size_asserts": False})
         self.compile_seconds = 0.0
         self._seen: set[tuple[bool, bool]] = set()
 
@@ -143,8 +149,11 @@ class CompiledStep:
         # unbacked: no specialisation of a size 0 or 1 (one logit, one token), so one graph takes every step
         torch._dynamo.decorators.mark_unbacked(token_ids, 1)
         torch._dynamo.decorators.mark_unbacked(logits_at, 0)
+        # once its graph exists, Dynamo's guards (a check of every parameter per call, ~1.7 ms for the small
+        # preset) are skipped: the step's inputs are the same two tensors of one dtype every time
+        stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=start is None)
         try:
-            with step_context(StepContext(batch, self.mixers)):
+            with step_context(StepContext(batch, self.mixers)), stance:
                 logits = self._compiled(token_ids, logits_at)
         except torch._dynamo.exc.TorchDynamoException as error:
             if start is None:

@@ -95,6 +95,13 @@ class PagedKDAState:
             states.index_copy_(0, pages, states[self.rows[which]])
         return out
 
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where a one-token step may update the states and conv tails in place: the pool's KDA views and
+        these rows; None where a checkpoint also needs the new state (the step then goes through `state`)."""
+        if self.checkpoint is not None:
+            return None
+        return self.pool.kda_states(), self.pool.kda_conv(), self.rows
+
     def _write(self, view: torch.Tensor, value: torch.Tensor) -> None:
         value = value.to(view.dtype)
         view.index_copy_(0, self.rows, value)

@@ -45,6 +45,8 @@ class LLM:
     draft proposes up to num_speculative_tokens (default: the draft's, 7) tokens a step and the model
     verifies them in its one forward; outputs follow the model's distribution exactly (greedy: the same tokens).
     spec_max_batch: speculate only while at most this many requests run (on a CPU a full batch is faster without).
+    compile: run each engine step as one compiled graph (k3.serve.compiled_step); None (default) follows
+    $K3_COMPILE (auto: wherever the model and machine allow it), False runs the eager reference.
     Other keywords go to SchedulerConfig. `ckpt=` is the older keyword for the path.
 
     The engine's step loop runs on a background thread (k3.serve.async_engine), started at the first
@@ -66,6 +68,7 @@ class LLM:
         speculative_model: str | Path | None = None,
         num_speculative_tokens: int | None = None,
         spec_max_batch: int | None = None,
+        compile: bool | None = None,
         **scheduler_kwargs,
     ):
         from k3.hub import load_for_inference
@@ -86,6 +89,7 @@ class LLM:
             max_model_len=max_model_len,
             num_speculative_tokens=num_speculative_tokens,
             spec_max_batch=spec_max_batch,
+            compile=compile,
             scheduler=SchedulerConfig(**scheduler_kwargs),
         )
         weights, self.tokenizer = load_for_inference(

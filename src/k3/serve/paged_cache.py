@@ -103,6 +103,10 @@ class PackedLayerCache(GroupedLayerCache):
         self.groups = groups
 
     def mix(self, mix: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+        if len(self.groups) == 1:  # one group (a decode batch, one prefill piece): views, no slices or concatenation
+            _, end, rows, sub = self.groups[0]
+            out = sub.mix(mix, *(x.view(rows, end // rows, *x.shape[2:]) for x in xs))
+            return out.reshape(1, end, *out.shape[2:])
         outs = []
         for start, end, rows, sub in self.groups:
             parts = [x[:, start:end].reshape(rows, (end - start) // rows, *x.shape[2:]) for x in xs]
@@ -166,7 +170,8 @@ class PackedBatch:
                 dict(
                     range=(pos, end, len(group)),
                     proposal_seqs=[p.seq for p in group] if isinstance(group[0], ProposalRow) else None,
-                    kda_rows=torch.tensor([p.state_pages for p in group], device=device).t(),  # (n_kda, rows)
+                    # (n_kda, rows), each layer's rows contiguous (what the decoding kernel reads)
+                    kda_rows=torch.tensor([p.state_pages for p in group], device=device).t().contiguous(),
                     kda_progressions=[
                         _progression([p.state_pages[j] for p in group]) for j in range(len(group[0].state_pages))
                     ],

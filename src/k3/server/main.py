@@ -119,9 +119,10 @@ def build_engine(
     quantization: str | None = None,
     max_num_seqs: int | None = None,
     speculative_model: str | Path | None = None,
+    compile: bool | None = None,
 ):
     """(AsyncEngine started, the model's context) for a model, run or step folder; speculative_model: a
-    draft folder from `k3 train-draft` (docs/speculative.md)."""
+    draft folder from `k3 train-draft` (docs/speculative.md); compile: EngineConfig.compile (None: auto)."""
     from k3.hub import load_for_inference
     from k3.serve.async_engine import AsyncEngine
     from k3.serve.engine import EngineConfig, LLMEngine
@@ -135,7 +136,7 @@ def build_engine(
     if memory_budget is None and num_pages is None:
         memory_budget = 256 << 20
     scheduler = SchedulerConfig() if max_num_seqs is None else SchedulerConfig(max_num_seqs=max_num_seqs)
-    config = EngineConfig(memory_budget=memory_budget, num_pages=num_pages, scheduler=scheduler)
+    config = EngineConfig(memory_budget=memory_budget, num_pages=num_pages, scheduler=scheduler, compile=compile)
     engine = AsyncEngine(LLMEngine(weights, tokenizer, config, draft=draft))
     engine.start()
     return engine, weights.config.max_position_embeddings
@@ -158,6 +159,7 @@ def serve(
     log_level: str = "info",
     ready=None,
     speculative_model: str | Path | None = None,
+    compile: bool | None = None,
 ) -> int:
     """Serve until a shutdown signal; 0 after a drained shutdown, 128 + the signal after a forced one.
     max_model_len may only lower the model's context; `limits` holds ServerLimits' other fields.
@@ -166,7 +168,7 @@ def serve(
     sock = bind(host, port)
     with sock:
         engine, context = build_engine(
-            model, memory_budget, num_pages, device, quantization, max_num_seqs, speculative_model
+            model, memory_budget, num_pages, device, quantization, max_num_seqs, speculative_model, compile
         )
         try:
             if max_model_len is not None and not 1 <= max_model_len <= context:

@@ -1,144 +1,29 @@
-"""The chunked KDA op's C++ CPU kernel (csrc/chunk_kda_cpu.cpp): built on first use, cached, and called through
-two torch.library operators, `k3_kda::chunk_fwd` and `k3_kda::chunk_bwd`, with fake kernels so that torch.compile
-sees each as one node.
+"""KDA's C++ CPU kernels, called through torch.library operators with fake kernels so that torch.compile sees
+each as one node: the chunked op's forward and backward (csrc/chunk_kda_cpu.cpp, `k3_kda::chunk_fwd` and
+`k3_kda::chunk_bwd`) and the decoding step (csrc/recurrent_kda_cpu.cpp, `k3_kda::recurrent_step`).
 
-The kernel computes what chunk.py / chunk_bwd.py compute (they stay the reference, and the fallback where no C++
-compiler is found), with each chunk's element-wise passes fused while its rows are in cache and its small
-matmuls sent straight to BLAS. It is built once per source, torch version and CPU with torch's
-cpp_extension (g++ with OpenMP, -O3 -march=native) into `$K3_CACHE_DIR/kernels` (default
-`~/.cache/k3/kernels`); a second process loads the built library in well under a second.
+The kernels compute what chunk.py / chunk_bwd.py and fused_recurrent.py's torch path compute (they stay the
+reference, and the fallback where no C++ compiler is found), with each chunk's element-wise passes fused
+while its rows are in cache and its small matmuls sent straight to BLAS. They are part of k3's one CPU
+library (k3.ops.cpu_library: built on first use into `$K3_CACHE_DIR/kernels`, cached, loaded in well under a
+second after that).
 
 K3_KDA_CPU_KERNEL=off selects the reference; the default, auto, uses the kernel where it builds and says why
 not where it does not (`k3 env`).
 """
 
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import struct
-import sys
-import time
-import warnings
-from pathlib import Path
 
 import torch
 
+from k3.ops import cpu_library
 from k3.ops.kda.chunk_terms import sequence_chunks
-from k3.ops.kda.inputs import pad_time
+from k3.ops.kda.inputs import KDAFlags, pad_time
 
 ENV_VAR = "K3_KDA_CPU_KERNEL"
 CHOICES = ("auto", "off")
-# the chunked op's forward and backward, and the decoding step (k3_kda::recurrent_step, fused_recurrent.py's)
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("chunk_kda_cpu.cpp", "recurrent_kda_cpu.cpp")]
 ROW_BLOCK = 16  # the kernel's row block (BS): chunk sizes must be multiples of it
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("K3_CACHE_DIR", Path.home() / ".cache" / "k3")) / "kernels"
-
-
-def _cpu_signature() -> str:
-    """What -march=native compiles for: the CPU model and its flags (machines differ between sessions)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        wanted = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "\n".join(sorted(set(wanted)))
-    except OSError:
-        return platform.processor()
-
-
-def _key() -> str:
-    parts = [*(p.read_bytes() for p in SOURCES), torch.__version__.encode(), sys.version.encode()]
-    parts.append(_cpu_signature().encode())
-    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-
-
-def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp"]
-    # -march=native is what makes the channel loops AVX2/AVX-512; the build is keyed by the CPU it ran on
-    if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
-        flags.append("-march=native")
-    return flags
-
-
-# Why the kernel is not in use (None once it is loaded), and how long the build or load took.
-_status: dict[str, object] = {"reason": "not loaded yet", "seconds": None, "built": None}
-
-
-def _libraries(build: Path) -> dict[str, int]:
-    """The built libraries in a build folder and their modification times: what tells a build from a load."""
-    return {p.name: p.stat().st_mtime_ns for p in build.glob("*.so")}
-
-
-def _truncated(library: Path) -> bool:
-    """Whether a cached ELF library ends before its section headers do (a build killed mid-write, a disk error):
-    dlopen of such a file can die with SIGBUS instead of raising, so it is checked before loading."""
-    data = library.read_bytes()
-    if len(data) < 64:
-        return True
-    if data[:4] != b"\x7fELF" or data[4] != 2:  # not a 64-bit ELF (another platform): the loader judges it
-        return False
-    shoff, shentsize, shnum = int.from_bytes(data[40:48], "little"), *struct.unpack_from("<HH", data, 58)
-    return len(data) < shoff + shentsize * shnum
-
-
-def _build_and_load(build: Path, key: str) -> None:
-    from torch.utils import cpp_extension
-
-    build.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=f"k3_kda_cpu_{key}",
-        sources=[str(p) for p in SOURCES],
-        extra_cflags=_flags(),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-        is_python_module=False,
-        verbose=False,
-    )
-
-
-STALE_LOCK_S = 300  # a build takes ~20 s: a build lock older than this was left by a killed build
-NO_LOAD = "does-not-load.txt"  # written where a freshly built library does not load, so no start rebuilds it
-
-
-@functools.cache
-def _load() -> bool:
-    """Build (or find) and load the library once per process; False, with the reason in _status, if it cannot."""
-    key = _key()
-    build = cache_dir() / f"chunk_kda_cpu_{key}"
-    if (build / NO_LOAD).exists():
-        _status["reason"] = f"{(build / NO_LOAD).read_text().strip()} (remove {build} to try again)"
-        return False
-    lock = build / "lock"  # torch's cpp_extension waits on it without a timeout
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
-    if any(_truncated(p) for p in build.glob("*.so")) and not lock.exists():
-        shutil.rmtree(build, ignore_errors=True)  # built again below
-    before = _libraries(build)
-    start = time.perf_counter()
-    try:
-        try:
-            _build_and_load(build, key)
-        except OSError:
-            if not before:
-                raise
-            # a cached library that does not load (a disk error, another torch build): build it again once
-            shutil.rmtree(build, ignore_errors=True)
-            try:
-                _build_and_load(build, key)
-            except OSError as error:
-                (build / NO_LOAD).write_text(f"the C++ kernel built but does not load ({str(error).strip()})")
-                raise
-    except Exception as error:  # no compiler, no OpenMP, a read-only home: the reference path still works
-        reason = str(error).strip().splitlines()
-        _status["reason"] = f"the C++ kernel did not build or load ({reason[-1] if reason else type(error).__name__})"
-        warnings.warn(f"k3: KDA runs on its PyTorch reference path: {_status['reason']}", RuntimeWarning, stacklevel=3)
-        return False
-    _status.update(reason=None, seconds=time.perf_counter() - start, built=_libraries(build) != before)
-    _register_fakes()
-    return True
 
 
 def _register_fakes() -> None:
@@ -153,6 +38,11 @@ def _register_fakes() -> None:
     def _(q, k, v, g, beta, A_log, dt_bias, scale, lower_bound, l2norm, gate, beta_sigmoid, neg_eigval, states, rows):
         return v.new_empty(v.shape)
 
+    @torch.library.register_fake("k3_kda::conv_recurrent_step")
+    def _(x, g, beta, conv_weight, A_log, dt_bias, scale, lower_bound, l2norm, gate, beta_sigmoid, neg_eigval, *rest):
+        H, K = g.shape[1:]
+        return x.new_empty(x.shape[0], H, (x.shape[1] - 2 * H * K) // H)
+
     @torch.library.register_fake("k3_kda::chunk_bwd")
     def _(q, k, v, g, beta, starts, do, dfinal, scale, chunk_size, seq_first, seq_last, num_seqs):
         H, K = q.shape[2:]
@@ -165,6 +55,15 @@ def choice() -> str:
     if value not in CHOICES:
         raise ValueError(f"{ENV_VAR} must be one of {CHOICES}, got {value!r}")
     return value
+
+
+@functools.cache
+def _load() -> bool:
+    """The library loaded (k3.ops.cpu_library) and the KDA operators' fake kernels registered, once."""
+    if not cpu_library.load():
+        return False
+    _register_fakes()
+    return True
 
 
 # torch.compile reads these once while tracing (the build, the file reads and the environment stay out of the graph)
@@ -193,14 +92,15 @@ def describe() -> str:
     except ValueError as error:
         return f"error: {error}"
     if not _load():
-        return f"PyTorch reference: {_status['reason']}"
-    how = "built" if _status["built"] else "loaded"
-    return f"C++ kernel ({how} in {_status['seconds']:.1f} s; cache {cache_dir()})"
+        return f"PyTorch reference: {cpu_library.status()['reason']}"
+    status = cpu_library.status()
+    how = "built" if status["built"] else "loaded"
+    return f"C++ kernel ({how} in {status['seconds']:.1f} s; cache {cpu_library.cache_dir()})"
 
 
 def _require() -> None:
     if not _loaded():
-        raise RuntimeError(f"k3's KDA CPU kernel is not available: {_status['reason']}")
+        raise RuntimeError(f"k3's KDA CPU kernel is not available: {cpu_library.status()['reason']}")
 
 
 def step_usable(q: torch.Tensor, v: torch.Tensor, states: torch.Tensor) -> bool:
@@ -237,6 +137,76 @@ def recurrent_step(q, k, v, g, beta, A_log, dt_bias, scale, flags, states, rows)
         None if rows is None else rows.to(torch.int64).contiguous(),
     )
     return o.unsqueeze(1)
+
+
+def conv_recurrent_step(x, g, beta, conv_weight, A_log, dt_bias, scale, flags, states, convs, rows) -> torch.Tensor:
+    """A KDA layer's sequence mixing for one token per sequence on the kernel: x (B, 2HK + HV) the q, k, v
+    channels before the short convolutions (weights conv_weight (2HK + HV, 1, w)), g (B, H, K) and beta (B, H) raw
+    as flags describe; states (P, H, K, V) and conv tails convs (P, 2HK + HV, w − 1) updated in place at rows (B,)
+    (or B of each with rows None). Returns o (B, H, V)."""
+    _require()
+    dt = x.dtype
+
+    def param(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach().to(dt).reshape(-1).contiguous()
+
+    return torch.ops.k3_kda.conv_recurrent_step(
+        x,
+        g.to(dt),
+        beta.to(dt),
+        conv_weight.detach().to(dt).flatten(1).contiguous(),
+        param(A_log) if flags.use_gate_in_kernel else None,
+        param(dt_bias) if flags.use_gate_in_kernel else None,
+        float(scale),
+        flags.lower_bound,
+        flags.use_qk_l2norm_in_kernel,
+        flags.use_gate_in_kernel,
+        flags.use_beta_sigmoid_in_kernel,
+        flags.allow_neg_eigval,
+        states,
+        convs,
+        rows,
+    )
+
+
+def conv_recurrent_kda(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    states: torch.Tensor,
+    convs: torch.Tensor,
+    rows: torch.Tensor | None,
+    *,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """conv_recurrent_step with fused_recurrent_kda's keywords: x (B, 2HK + HV), g (B, H, K), beta (B, H) ->
+    o (B, H, V), the states and conv tails updated in place."""
+    flags = KDAFlags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, False, False, lower_bound)
+    scale = g.shape[-1] ** -0.5 if scale is None else scale
+    if rows is not None and not rows.is_contiguous():
+        rows = rows.contiguous()
+    return conv_recurrent_step(x, g, beta, conv_weight, A_log, dt_bias, scale, flags, states, convs, rows)
+
+
+def conv_step_usable(x: torch.Tensor, states: torch.Tensor, convs: torch.Tensor) -> bool:
+    """Whether conv_recurrent_step runs on these: CPU, one dtype (fp32 or fp64) for the inputs, states and conv
+    tails, each state and tail a contiguous block."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+        return False
+    if (
+        states.dtype != x.dtype
+        or convs.dtype != x.dtype
+        or not (states[0].is_contiguous() and convs[0].is_contiguous())
+    ):
+        return False
+    return _enabled()
 
 
 def _padded(x: torch.Tensor, T: int) -> torch.Tensor:
