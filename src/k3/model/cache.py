@@ -60,6 +60,11 @@ class MLALayerCache:
         L = self.length
         return causal_mask(torch.arange(L - T, L, device=device)[None], L)
 
+    def decode_pages(self) -> None:
+        """A paged cache's pool, layer, page tables and lengths, for attention in place (k3.serve.paged_cache);
+        this cache keeps its latents in tensors of its own, so None."""
+        return None
+
     def append(self, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add this step's (B, T, ·) entries; return everything cached so far."""
         if self.latent is not None:

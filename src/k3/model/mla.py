@@ -19,6 +19,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.cache import GroupedLayerCache, MLALayerCache, causal_mask, sequence_mixing
 from k3.model.norm import RMSNorm
+from k3.ops import mla_cpu
 from k3.ops.numerics import at_least_fp32
 
 
@@ -75,6 +76,15 @@ class GatedMLA(nn.Module):
         # mask None: causal over this call's T tokens, which for T = 1 (a decode step whose rows all have
         # the same length) means every key is seen, so a cache returns None then and nothing is masked
         mask = None
+        if cache is not None and q_nope.shape[1] == 1 and self.use_absorbed(1) and not torch.is_grad_enabled():
+            # decoding over a serving pool on the CPU: the latent written and attended to in place, one C++ call
+            # (the path below, over the gathered latents, is its reference)
+            where = cache.decode_pages()
+            if where is not None and mla_cpu.usable(q_nope, where[0]):
+                o = mla_cpu.paged_decode(
+                    q_nope[:, 0], q_pe[:, 0], c_kv[:, 0], k_pe[:, 0], self.kv_b_proj.weight, *where, self.scale
+                )
+                return o.unsqueeze(1)
         if cache is not None:
             c_kv, k_pe = cache.append(c_kv, k_pe)  # (B, L, ·): every cached token plus these T
             mask = cache.attention_mask(q_nope.shape[1], q_nope.device)  # (B or 1, T, L), or None

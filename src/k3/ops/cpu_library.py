@@ -1,8 +1,9 @@
 """k3's C++ CPU kernels as one library: built on first use, cached, and loaded once per process.
 
 The library holds every C++ operator k3 has for the CPU: the chunked KDA op's forward and backward and the
-KDA decoding step (k3.ops.kda.cpu_kernel, ops/kda/csrc), and the routed experts of a MoE layer for a serving
-step (k3.ops.moe_cpu, ops/csrc). It is built with torch's cpp_extension (g++ with OpenMP, -O3 -march=native)
+KDA decoding step (k3.ops.kda.cpu_kernel, ops/kda/csrc), the routed experts of a MoE layer for a serving
+step (k3.ops.moe_cpu) and MLA's decoding attention over the page pool (k3.ops.mla_cpu, both in ops/csrc).
+It is built with torch's cpp_extension (g++ with OpenMP, -O3 -march=native)
 into `$K3_CACHE_DIR/kernels` (default `~/.cache/k3/kernels`), once per source, torch version, Python and CPU;
 a second process loads the built library in well under a second. Where it cannot be built (no compiler, a
 read-only home), `load()` is False with the reason, and each caller runs its PyTorch reference.
@@ -26,6 +27,7 @@ SOURCES = [
     _OPS / "kda" / "csrc" / "chunk_kda_cpu.cpp",  # k3_kda::chunk_fwd, k3_kda::chunk_bwd
     _OPS / "kda" / "csrc" / "recurrent_kda_cpu.cpp",  # k3_kda::recurrent_step
     _OPS / "csrc" / "moe_experts_cpu.cpp",  # k3_cpu::moe_experts
+    _OPS / "csrc" / "mla_decode_cpu.cpp",  # k3_cpu::mla_paged_decode
 ]
 NAME = "k3_cpu"
 

@@ -74,6 +74,11 @@ class PagedMLALatents:
         cached = cached.to(c_kv.dtype)  # (B, L, rank + rope); rows past their length are padding
         return cached[..., : self.rank], cached[..., self.rank :]
 
+    def decode_pages(self) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+        """(the pool's latents (pages, P, n_mla, ·), this MLA layer's index, page tables (B, W), tokens cached (B,)):
+        where a one-token step may write its latent and attend in place (GatedMLA.attend)."""
+        return self.pool.latents(), self.mla_index, self.tables, self.past
+
     def mix(self, mix: Callable[..., torch.Tensor], *parts: torch.Tensor) -> torch.Tensor:
         return mix(*parts, self)
 
