@@ -79,6 +79,26 @@ def test_compiled_engine_keeps_results_exact_under_preemption(model):
     assert eng.metrics()["preemptions"] > 0 and eng.pool.num_used == 0
 
 
+def test_speculative_decoding_through_the_compiled_step(model):
+    """Verification steps (proposal rows, rolled back afterwards) and the draft's block summaries come from the
+    compiled graph: the greedy tokens equal the eager engine's with the same draft, and plain decoding's."""
+    from k3.spec.draft import DraftModel
+
+    ps = prompts(3, 4)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    draft = DraftModel(model.config).double()
+    results = []
+    for compile, spec in ((False, False), (False, True), (True, True)):
+        config = EngineConfig(num_pages=400, compile=compile, num_speculative_tokens=3)
+        eng = LLMEngine(model, TOK, config, draft=draft if spec else None)
+        results.append([tokens for tokens, _ in run(eng, ps, params)])
+        if spec:
+            assert eng.spec_stats.proposed > 0
+        if compile:
+            assert eng.runner.compiled is not None and eng.runner.compiled._seen == {(1, 2, 3)}
+    assert results[2] == results[1] == results[0]
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 def test_moe_experts_operator_equals_the_module_dispatch(model, monkeypatch, kernel):
     """k3::moe_experts (the compiled graph's seam; the C++ kernel k3_cpu::moe_experts, or its PyTorch path)

@@ -31,6 +31,8 @@ class K3Output:
     logits: torch.Tensor  # (B, T, vocab)
     loss: torch.Tensor | None = None  # mean next-token cross-entropy when labels are given
     routing: list[RouterOutput] | None = None  # one per MoE layer, in layer order
+    # the AttnRes block summaries forward(summaries=…) asked for, (B, T or n, d) each (at logits_at when given)
+    summaries: list[torch.Tensor] | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -105,8 +107,14 @@ class K3TextModel(nn.Module):
         self.block_starts = {s for s, _ in config.attn_res_blocks}
 
     def forward(
-        self, input_ids: torch.Tensor, cache: K3Cache | None = None, image_embeds: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, list[RouterOutput]]:
+        self,
+        input_ids: torch.Tensor,
+        cache: K3Cache | None = None,
+        image_embeds: torch.Tensor | None = None,
+        summaries: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[RouterOutput], list[torch.Tensor]]:
+        """... -> hidden (B, T, d), routing, and the AttnRes block summaries numbered in `summaries` (1-based,
+        AttnResStream.summaries: b₁ … b_final), (B, T, d) each."""
         x = self.embed_tokens(input_ids)
         if image_embeds is not None:  # vision tokens replace the placeholders' embeddings (k3.model.vision)
             x = place_image_tokens(x, input_ids, image_embeds, self.config.vision_config.media_placeholder_token_id)
@@ -121,7 +129,10 @@ class K3TextModel(nn.Module):
             r = layer(stream, c)
             if r is not None:
                 routing.append(r)
-        return self.norm(stream.readout(readout)), routing
+        if summaries and not isinstance(stream, AttnResStream):
+            raise ValueError("block summaries are AttnRes's; this model has standard residuals")
+        blocks = stream.summaries() if summaries else []
+        return self.norm(stream.readout(readout)), routing, [blocks[b - 1] for b in summaries]
 
 
 class K3Model(nn.Module):
@@ -185,18 +196,22 @@ class K3Model(nn.Module):
         labels: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
         image_embeds: torch.Tensor | None = None,
+        summaries: tuple[int, ...] = (),
     ) -> K3Output:
         """logits_at: (n,) positions along T; only their logits are computed, (B, n, vocab): a serving
         step needs one position per sequence, and the LM head is the widest matmul of a small model.
         image_embeds: (n_placeholders, hidden_size) from encode_images, one row per placeholder token in
-        input_ids (row-major over the batch)."""
-        hidden, routing = self.model(input_ids, cache, image_embeds)
+        input_ids (row-major over the batch).
+        summaries: 1-based indices of AttnRes block summaries to return as well (what a speculative draft reads,
+        k3.spec.features), at logits_at when given."""
+        hidden, routing, blocks = self.model(input_ids, cache, image_embeds, summaries)
         if cache is not None:
             cache.seq_len += input_ids.shape[1]
         if logits_at is not None:
             if labels is not None:
                 raise ValueError("labels need the logits of every position: do not pass logits_at with them")
             hidden = hidden[:, logits_at]
+            blocks = [b[:, logits_at] for b in blocks]
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
@@ -205,4 +220,4 @@ class K3Model(nn.Module):
             # would fill and copy a tensor of that size again.
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
             loss = cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten(), ignore_index=-100)
-        return K3Output(logits, loss, routing)
+        return K3Output(logits, loss, routing, blocks if summaries else None)

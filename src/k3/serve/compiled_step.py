@@ -12,13 +12,16 @@ CPU) into a few fused kernels and the matmuls. Two kinds of work stay outside th
   proposal rows) are reached through the `StepContext` the runner sets around the call, as vLLM's
   attention op reaches its KV cache through its forward context. Inside, the mixing runs as in the eager
   engine, over the pool in place, so the graph holds no pool tensor and no mutation.
-- `k3::moe_dispatch` (k3.model.moe): the routed experts, whose per-expert row counts decide the shapes
+- `k3::moe_experts` (k3.model.moe): the routed experts, whose per-expert row counts decide the shapes
   of their matmuls.
 
-The packed row's length is a dynamic dimension, so one graph serves every step of any mix of prefill
-pieces, decode rows and proposal rows (Dynamo specialises a length-1 row, a batch-1 decode, into a second
-one). Inductor caches its compiled code on disk (`cache_dir`), so a second start of the same model and
-code skips Inductor's code generation and C++ build.
+Behind the seams, the decoding work runs in C++ where k3's CPU library loads (k3.ops.cpu_library): a KDA layer's
+convolutions and recurrence, MLA's attention over the pool's pages, the experts.
+
+The packed row's length and the number of sampled positions are unbacked dimensions, so one graph serves every
+step of any mix of prefill pieces, decode rows and proposal rows (a second graph also returns the AttnRes block
+summaries a speculative draft reads). Inductor caches its compiled code on disk (`default_cache_dir`), so a
+second start of the same model and code skips Inductor's code generation and C++ build; Dynamo still traces.
 """
 
 import contextlib
@@ -133,42 +136,45 @@ class CompiledStep:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
         self._compiled = torch.compile(self._forward, fullgraph=True, options={"size_asserts": False})
         self.compile_seconds = 0.0
-        self._seen: set[tuple[bool, bool]] = set()
+        self._seen: set[tuple[int, ...]] = set()  # the block summaries asked for: one graph each
 
-    def _forward(self, token_ids: torch.Tensor, logits_at: torch.Tensor) -> torch.Tensor:
-        return self.model(token_ids, cache=self.seams, logits_at=logits_at).logits[0]
+    def _forward(
+        self, token_ids: torch.Tensor, logits_at: torch.Tensor, summaries: tuple[int, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        out = self.model(token_ids, cache=self.seams, logits_at=logits_at, summaries=summaries)
+        return out.logits[0], *(s[0] for s in out.summaries or ())
 
     @torch.no_grad()
-    def __call__(self, batch: PackedBatch) -> torch.Tensor | None:
-        """The step's logits (n, vocab) at batch.logits_at; None if its graph does not compile (logged: the
-        caller runs the step eagerly). Compiling runs nothing on the pool, so the step is still to run."""
-        key = (batch.token_ids.shape[1] == 1, len(batch.logits_at) == 1)
-        start = time.perf_counter() if key not in self._seen else None
+    def __call__(
+        self, batch: PackedBatch, summaries: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """The step's logits (n, vocab) at batch.logits_at, and there the AttnRes block summaries numbered in
+        `summaries` (a speculative draft's features, (n, d) each); None if the graph does not compile (logged:
+        the caller runs the step eagerly; compiling runs nothing on the pool, so the step is still to run)."""
+        start = time.perf_counter() if summaries not in self._seen else None
         token_ids, logits_at = batch.token_ids, batch.logits_at
         self.seams.seq_len = 0  # the forward adds the step's tokens; the graph is traced (and guarded) at 0
         # unbacked: no specialisation of a size 0 or 1 (one logit, one token), so one graph takes every step
         torch._dynamo.decorators.mark_unbacked(token_ids, 1)
         torch._dynamo.decorators.mark_unbacked(logits_at, 0)
-        # once its graph exists, Dynamo's guards (a check of every parameter per call, ~1.7 ms for the small
-        # preset) are skipped: the step's inputs are the same two tensors of one dtype every time
+        # once a graph exists, Dynamo's guards (a check of every parameter per call, ~1.7 ms for the small
+        # preset) are skipped but for those that tell its graphs apart: the inputs are two integer tensors
         stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=start is None)
         try:
             with step_context(StepContext(batch, self.mixers)), stance:
-                logits = self._compiled(token_ids, logits_at)
+                logits, *blocks = self._compiled(token_ids, logits_at, summaries)
         except torch._dynamo.exc.TorchDynamoException as error:
             if start is None:
                 raise
             log.warning("k3 engine: the step did not compile, it runs eagerly: %s", str(error).splitlines()[0])
             return None
         if start is not None:
-            self._seen.add(key)
-            self.compile_seconds += time.perf_counter() - start
-            log.info(
-                "k3 engine: compiled step (%s rows) in %.1f s",
-                "one-token" if key[0] else "packed",
-                time.perf_counter() - start,
-            )
-        return logits
+            self._seen.add(summaries)
+            seconds = time.perf_counter() - start
+            self.compile_seconds += seconds
+            what = f"with block summaries {summaries}" if summaries else "of any rows"
+            log.info("k3 engine: compiled the step's graph (%s) in %.1f s", what, seconds)
+        return logits, blocks
 
 
 def compile_blocker(model: nn.Module) -> str | None:

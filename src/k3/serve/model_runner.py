@@ -18,7 +18,6 @@ from k3.serve.compiled_step import CompiledStep
 from k3.serve.paged_cache import PackedBatch
 from k3.serve.plan import StepPlan
 from k3.serve.pool import PagePool
-from k3.spec.features import block_summaries
 
 
 @dataclass
@@ -33,8 +32,8 @@ class StepOutput:
 
 
 class ModelRunner:
-    """compile: run each step's forward as one compiled graph (k3.serve.compiled_step); steps that need the
-    draft's features, and a vision model's, run eagerly."""
+    """compile: run each step's forward as one compiled graph (k3.serve.compiled_step); a vision model's steps
+    run eagerly."""
 
     def __init__(self, model: K3Model, pool: PagePool, rollback: str = "snapshot", compile: bool = False):
         self.model, self.pool, self.rollback_mode = model.eval(), pool, rollback
@@ -70,18 +69,16 @@ class ModelRunner:
         token_ids, image_embeds = batch.token_ids, None
         if self.images is not None:  # image token ids -> the placeholder and its stored embedding
             token_ids, image_embeds = self.images.resolve(token_ids)
-        if feature_blocks is None and self.compiled is not None and self.images is None:
-            logits = self.compiled(batch)
-            if logits is not None:
-                return StepOutput(logits, None, batch)
+        blocks = tuple(feature_blocks or ())
+        if self.compiled is not None and self.images is None:
+            out = self.compiled(batch, blocks)
+            if out is not None:
+                logits, summaries = out
+                return StepOutput(logits, summaries if blocks else None, batch)
             self.compiled = None  # it did not compile (the reason is logged): this step and the later ones eager
-        if feature_blocks is None:
-            logits = self.model(token_ids, cache=batch, logits_at=batch.logits_at, image_embeds=image_embeds).logits[0]
-            return StepOutput(logits, None, batch)
-        with block_summaries(self.model) as capture:
-            logits = self.model(batch.token_ids, cache=batch, logits_at=batch.logits_at).logits[0]
-            summaries = [s[0, batch.logits_at] for s in capture.summaries(feature_blocks)]
-        return StepOutput(logits, summaries, batch)
+        out = self.model(token_ids, cache=batch, logits_at=batch.logits_at, image_embeds=image_embeds, summaries=blocks)
+        summaries = [s[0] for s in out.summaries] if blocks else None
+        return StepOutput(out.logits[0], summaries, batch)
 
     @torch.no_grad()
     def rollback(self, output: StepOutput, accepted: dict) -> None:
