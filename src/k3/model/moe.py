@@ -46,17 +46,16 @@ class LatentMoE(nn.Module):
         routing = self.gate(x_TD)
         z_TL = self.routed_expert_down_proj(x_TD)
         if torch.compiler.is_compiling() and not torch.is_grad_enabled() and self.plain_experts():
-            # inside a compiled serving step: the experts behind one operator (their row counts decide
-            # the shapes of their matmuls, which a graph cannot)
-            u_TL = torch.ops.k3.moe_experts(
-                z_TL,
-                routing.experts_TK,
-                routing.weights_TK,
-                [ex.w1.weight for ex in self.experts],
-                [ex.w3.weight for ex in self.experts],
-                [ex.w2.weight for ex in self.experts],
-                *self.act,
-            )
+            # inside a compiled serving step: the experts behind one operator (their row counts decide the shapes
+            # of their matmuls, which a graph cannot): the C++ kernel itself where it loads, with no Python
+            # between the graph and it, else the PyTorch one
+            weights = [[ex.w1.weight for ex in self.experts], [ex.w3.weight for ex in self.experts]]
+            weights.append([ex.w2.weight for ex in self.experts])
+            if moe_cpu.usable(z_TL, weights[0][0]):
+                scores = routing.weights_TK.to(z_TL.dtype)
+                u_TL = torch.ops.k3_cpu.moe_experts(z_TL, routing.experts_TK, scores, *weights, *self.act)
+            else:
+                u_TL = torch.ops.k3.moe_experts(z_TL, routing.experts_TK, routing.weights_TK, *weights, *self.act)
         else:
             u_TL = self.dispatch(z_TL, routing)
         y_TD = self.routed_expert_up_proj(self.routed_expert_norm(u_TL))

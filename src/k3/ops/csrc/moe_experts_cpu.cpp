@@ -5,7 +5,7 @@
 // expert's rows gathered and sent through gate/up, the activation and down as three BLAS calls (experts in
 // parallel), and each token's weighted sum taken in ascending expert order, as the reference's index_add.
 //
-// z (T, L) contiguous; experts, weights (T, K) (expert ids int64, weights in z's dtype); w1[e], w3[e] (I, L)
+// z (T, L); experts, weights (T, K) (expert ids int64, weights in z's dtype); w1[e], w3[e] (I, L)
 // and w2[e] (L, I) contiguous, expert e's gate, up and down projections. Returns u (T, L).
 
 #include <ATen/ATen.h>
@@ -111,17 +111,18 @@ void experts(const at::Tensor& z, const at::Tensor& experts_tk, const at::Tensor
   });
 }
 
-at::Tensor moe_experts(const at::Tensor& z, const at::Tensor& experts_tk, const at::Tensor& weights_tk,
+at::Tensor moe_experts(const at::Tensor& z_in, const at::Tensor& experts_in, const at::Tensor& weights_in,
                        at::TensorList w1, at::TensorList w3, at::TensorList w2, std::string act, double beta1,
                        double beta2) {
+  // any strides (a compiled graph hands over top-k's slices as they are): contiguous copies where needed
+  const at::Tensor z = z_in.contiguous(), experts_tk = experts_in.contiguous(), weights_tk = weights_in.contiguous();
   const auto dt = z.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kDouble, "moe_experts: float32 or float64 inputs, got ", dt);
-  TORCH_CHECK(z.dim() == 2 && z.is_contiguous(), "moe_experts: z must be a contiguous (T, L) tensor");
-  TORCH_CHECK(experts_tk.dim() == 2 && experts_tk.size(0) == z.size(0) && experts_tk.scalar_type() == at::kLong &&
-                  experts_tk.is_contiguous(),
-              "moe_experts: experts must be a contiguous int64 (T, K) tensor");
-  TORCH_CHECK(weights_tk.sizes() == experts_tk.sizes() && weights_tk.scalar_type() == dt && weights_tk.is_contiguous(),
-              "moe_experts: weights must be (T, K) in z's dtype, contiguous");
+  TORCH_CHECK(z.dim() == 2, "moe_experts: z must be a (T, L) tensor");
+  TORCH_CHECK(experts_tk.dim() == 2 && experts_tk.size(0) == z.size(0) && experts_tk.scalar_type() == at::kLong,
+              "moe_experts: experts must be an int64 (T, K) tensor");
+  TORCH_CHECK(weights_tk.sizes() == experts_tk.sizes() && weights_tk.scalar_type() == dt,
+              "moe_experts: weights must be (T, K) in z's dtype");
   TORCH_CHECK(act == "situ" || act == "silu", "moe_experts: act must be situ or silu, got ", act);
   const int64_t E = static_cast<int64_t>(w1.size()), L = z.size(1);
   TORCH_CHECK(E > 0 && static_cast<int64_t>(w3.size()) == E && static_cast<int64_t>(w2.size()) == E,
