@@ -1,8 +1,9 @@
 // MLA's absorbed attention for one new token per sequence, over latents that stay in the page pool: the operator
 // k3_cpu::mla_paged_decode. GatedMLA.absorbed (with the pool's PagedMLALatents) is the reference: it gathers every
 // cached latent of the sequence into a buffer, then runs ~15 ATen ops. Here the new latent is written into its
-// slot, and each sequence's cached latents are read where they lie, page by page, in one pass (online softmax,
-// split into chunks of tokens across threads and merged, as flash-decoding splits a long context).
+// slot, and each sequence's cached latents are read where they lie, in chunks of tokens across threads (each
+// chunk's softmax over its own maximum, the chunks merged by their maxima and sums, as flash-decoding splits a
+// long context).
 //
 //   q_lat,h = W_UK,h q_nope,h            (the query moved into latent space, (rank,))
 //   s_t,h = scale·(q_lat,h · c_t + q_pe,h · k_pe,t)      p = softmax_t(s)      o_h = W_UV,h Σ_t p_t,h c_t
@@ -70,34 +71,39 @@ void decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& 
   const int64_t I = static_cast<int64_t>(item_b.size());
   std::vector<T> m(I * H), l(I * H), acc(I * H * R);
   at::parallel_for(0, I, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> s(H);
+    std::vector<T> s(H * CHUNK);  // the chunk's scores, head-major
+    std::vector<const T*> rows(CHUNK);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = item_b[i], t1 = std::min(item_t0[i] + CHUNK, pst[b] + 1);
+      const int64_t b = item_b[i], t0 = item_t0[i], n = std::min(t0 + CHUNK, pst[b] + 1) - t0;
       T* mi = m.data() + i * H;
       T* li = l.data() + i * H;
       T* ai = acc.data() + i * H * R;
-      std::fill_n(mi, H, -std::numeric_limits<T>::infinity());
-      std::fill_n(li, H, T(0));
-      std::fill_n(ai, H * R, T(0));
-      for (int64_t t = item_t0[i]; t < t1; ++t) {
-        const T* c = slot(b, t);
+      for (int64_t t = 0; t < n; ++t) rows[t] = slot(b, t0 + t);
+      // scores, then each head's maximum, weights and sums over the chunk: no per-token rescaling
+      for (int64_t t = 0; t < n; ++t) {
+        const T* c = rows[t];
         for (int64_t h = 0; h < H; ++h) {
           const T* qi = q.data() + (b * H + h) * D;
           T dot = 0;
 #pragma omp simd reduction(+ : dot)  // vectorised: a reduction GCC leaves scalar without it (no -ffast-math)
           for (int64_t j = 0; j < D; ++j) dot += qi[j] * c[j];
-          s[h] = dot;
+          s[h * CHUNK + t] = dot;
         }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        T* sh = s.data() + h * CHUNK;
+        T mx = -std::numeric_limits<T>::infinity(), sum = 0;
+        for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sh[t]);
+        for (int64_t t = 0; t < n; ++t) sh[t] = std::exp(sh[t] - mx), sum += sh[t];
+        mi[h] = mx, li[h] = sum;
+      }
+      std::fill_n(ai, H * R, T(0));
+      for (int64_t t = 0; t < n; ++t) {
+        const T* c = rows[t];
         for (int64_t h = 0; h < H; ++h) {
+          const T p = s[h * CHUNK + t];
           T* ah = ai + h * R;
-          if (s[h] > mi[h]) {  // a new maximum: rescale what is summed so far
-            const T r = std::exp(mi[h] - s[h]);
-            li[h] *= r;
-            for (int64_t j = 0; j < R; ++j) ah[j] *= r;
-            mi[h] = s[h];
-          }
-          const T p = std::exp(s[h] - mi[h]);
-          li[h] += p;
+#pragma omp simd
           for (int64_t j = 0; j < R; ++j) ah[j] += p * c[j];
         }
       }
