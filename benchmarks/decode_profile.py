@@ -75,12 +75,14 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
-def decoding_engine(model: K3Model, batch: int, context: int, seed: int = 0) -> LLMEngine:
+def decoding_engine(model: K3Model, batch: int, context: int, seed: int = 0, compile: bool = False) -> LLMEngine:
     """An engine whose `batch` requests have each prefilled `context` tokens and decoded one: every
     later step is `batch` decode rows."""
     sched = SchedulerConfig(max_num_seqs=max(64, batch), max_batched_tokens=4096)
     eng = LLMEngine(
-        model, byte_tokenizer(), EngineConfig(memory_budget=256 << 20, enable_prefix_caching=False, scheduler=sched)
+        model,
+        byte_tokenizer(),
+        EngineConfig(memory_budget=256 << 20, enable_prefix_caching=False, scheduler=sched, compile=compile),
     )
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -92,11 +94,12 @@ def decoding_engine(model: K3Model, batch: int, context: int, seed: int = 0) -> 
 
 
 def measure(eng: LLMEngine, steps: int, top: int) -> dict:
-    for _ in range(2):  # warm: scratch buffers and allocator caches at their steady size
+    for _ in range(2):  # warm: scratch buffers and allocator caches at their steady size (and the graph compiled)
         eng.step()
     counter = OpCounter()
-    with counter:
-        eng.step()
+    if eng.runner.compiled is None:  # a dispatch mode sees the eager step's ops; a compiled graph runs without one
+        with counter:
+            eng.step()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -106,7 +109,14 @@ def measure(eng: LLMEngine, steps: int, top: int) -> dict:
         for _ in range(steps):
             eng.step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
-    return dict(ops=counter.ops, moved=counter.moved, ms=1e3 * statistics.median(times), table=table, steps=steps)
+    # operator calls the profiler saw per step: ATen ops and k3's operators (a compiled graph's fused kernels
+    # run inside its one "CompiledFxGraph" event and are not counted)
+    calls = Counter(
+        {e.key: e.count // steps for e in prof.key_averages() if e.key.startswith(("aten::", "k3")) and e.count}
+    )
+    return dict(
+        ops=counter.ops, moved=counter.moved, ms=1e3 * statistics.median(times), table=table, steps=steps, calls=calls
+    )
 
 
 # module kinds an op is charged to (the innermost enclosing one of these)
@@ -243,6 +253,9 @@ def main() -> None:
     p.add_argument("--context-64", type=int, default=256, help="prompt tokens of each batch-64 request")
     p.add_argument("--batches", default="1,64", help="comma-separated batch sizes (1 and/or 64)")
     p.add_argument("--floor", action="store_true", help="batch 1 only, next to HF Llama: ops by module, the floor")
+    p.add_argument(
+        "--compiled", action="store_true", help="also the compiled step (k3.serve.compiled_step): its operator calls"
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -253,6 +266,16 @@ def main() -> None:
         return
     for batch in (int(b) for b in args.batches.split(",")):
         context = args.context_1 if batch == 1 else args.context_64
+        if args.compiled:
+            rows = []
+            for compile in (False, True):
+                r = measure(decoding_engine(model, batch, context, compile=compile), args.steps, args.top)
+                rows.append((compile, sum(r["calls"].values()), r["calls"].most_common(6), r["ms"]))
+            print(f"\n## batch {batch}, context {context}: operator calls per step seen by the profiler")
+            for compile, total, top, ms in rows:
+                what = "compiled" if compile else "eager"
+                print(f"{what}: {total} calls, {ms:.1f} ms per step; " + ", ".join(f"{n} {c}" for n, c in top))
+            continue
         r = measure(decoding_engine(model, batch, context), args.steps, args.top)
         total = sum(r["ops"].values())
         print(

@@ -51,6 +51,7 @@ class PagePool:
         self._clock = 0
         self.on_evict: Callable[[int, Hashable], None] | None = None
         self._scratch = self.storage.new_empty(0)
+        self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (the storage it views, the view)
 
     @classmethod
     def from_budget(cls, layout: PageLayout, memory_bytes: int, device: torch.device | str = "cpu") -> "PagePool":
@@ -75,9 +76,19 @@ class PagePool:
             self._scratch = self.storage.new_empty(numel)
         return self._scratch[:numel]
 
+    def _view(self, name: str, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A view of the storage, made once (each layer of each step asks for them: a few ops apiece)."""
+        kept = self._views.get(name)
+        if kept is None or kept[0] is not self.storage:
+            kept = self._views[name] = (self.storage, build())
+        return kept[1]
+
     def kda_states(self) -> torch.Tensor:
         """(N, H, K, V) in layout.state_dtype (fp32 whatever the pool's dtype): S of the KDA layer whose
         state a page holds, the page's first bytes. Each row is contiguous; rows are a page apart."""
+        return self._view("kda_states", self._kda_states)
+
+    def _kda_states(self) -> torch.Tensor:
         L = self.layout
         S = self.storage[:, : L.state_elems]
         if S.dtype != L.state_dtype:
@@ -87,8 +98,11 @@ class PagePool:
     def kda_conv(self) -> torch.Tensor:
         """(N, 2HK + HV, kernel−1): the conv tail stored right after S."""
         L = self.layout
-        return self.storage[:, L.state_elems : L.state_elems + L.conv_elems].view(
-            self.num_pages, L.conv_channels, L.conv_width
+        return self._view(
+            "kda_conv",
+            lambda: self.storage[:, L.state_elems : L.state_elems + L.conv_elems].view(
+                self.num_pages, L.conv_channels, L.conv_width
+            ),
         )
 
     def latents(self) -> torch.Tensor:
@@ -96,7 +110,7 @@ class PagePool:
 
         Overlaps kda_states() of the same page: a page holds either a KDA state or latents, never both."""
         L = self.layout
-        return self.storage.view(self.num_pages, L.page_tokens, L.n_mla, L.latent_dim)
+        return self._view("latents", lambda: self.storage.view(self.num_pages, L.page_tokens, L.n_mla, L.latent_dim))
 
     def latent_rows(self) -> torch.Tensor:
         """(N·P, n_mla, latent_dim): the latents one token slot per row, across page boundaries (a latent

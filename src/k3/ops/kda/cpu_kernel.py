@@ -143,20 +143,21 @@ def conv_recurrent_step(x, g, beta, conv_weight, A_log, dt_bias, scale, flags, s
     """A KDA layer's sequence mixing for one token per sequence on the kernel: x (B, 2HK + HV) the q, k, v
     channels before the short convolutions (weights conv_weight (2HK + HV, 1, w)), g (B, H, K) and beta (B, H) raw
     as flags describe; states (P, H, K, V) and conv tails convs (P, 2HK + HV, w − 1) updated in place at rows (B,)
-    (or B of each with rows None). Returns o (B, H, V)."""
+    (or B of each with rows None). Returns o (B, H, V). Called every layer of every decode step: tensors already
+    in the compute dtype and contiguous are passed as they are."""
     _require()
     dt = x.dtype
 
-    def param(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.detach().to(dt).reshape(-1).contiguous()
+    def ready(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if t is None or (t.dtype == dt and t.is_contiguous()) else t.detach().to(dt).contiguous()
 
     return torch.ops.k3_kda.conv_recurrent_step(
         x,
-        g.to(dt),
-        beta.to(dt),
-        conv_weight.detach().to(dt).flatten(1).contiguous(),
-        param(A_log) if flags.use_gate_in_kernel else None,
-        param(dt_bias) if flags.use_gate_in_kernel else None,
+        g if g.dtype == dt else g.to(dt),  # any batch and head strides
+        beta if beta.dtype == dt else beta.to(dt),
+        ready(conv_weight),
+        ready(A_log) if flags.use_gate_in_kernel else None,
+        ready(dt_bias) if flags.use_gate_in_kernel else None,
         float(scale),
         flags.lower_bound,
         flags.use_qk_l2norm_in_kernel,
@@ -197,14 +198,13 @@ def conv_recurrent_kda(
 
 def conv_step_usable(x: torch.Tensor, states: torch.Tensor, convs: torch.Tensor) -> bool:
     """Whether conv_recurrent_step runs on these: CPU, one dtype (fp32 or fp64) for the inputs, states and conv
-    tails, each state and tail a contiguous block."""
+    tails, each state and tail a contiguous block (read from the strides: no view is made per call)."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
         return False
-    if (
-        states.dtype != x.dtype
-        or convs.dtype != x.dtype
-        or not (states[0].is_contiguous() and convs[0].is_contiguous())
-    ):
+    if states.dtype != x.dtype or convs.dtype != x.dtype or states.dim() != 4 or convs.dim() != 3:
+        return False
+    K, V = states.shape[2:]
+    if states.stride()[1:] != (K * V, V, 1) or convs.stride()[1:] != (convs.shape[2], 1):
         return False
     return _enabled()
 

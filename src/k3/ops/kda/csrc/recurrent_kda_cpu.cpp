@@ -134,7 +134,7 @@ template <typename T>
 void conv_step(const at::Tensor& x, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& weight,
                const Options<T>& p, at::Tensor& states, at::Tensor& convs, const std::optional<at::Tensor>& rows,
                at::Tensor& o) {
-  const int64_t B = x.size(0), C = x.size(1), W = weight.size(1), H = p.H, K = p.K;
+  const int64_t B = x.size(0), C = x.size(1), W = weight.size(-1), H = p.H, K = p.K;
   const T *xp = x.data_ptr<T>(), *wp = weight.data_ptr<T>(), *gp = g.data_ptr<T>(), *bp = beta.data_ptr<T>();
   T* sp = states.data_ptr<T>();
   T* cp = convs.data_ptr<T>();
@@ -248,9 +248,9 @@ at::Tensor conv_recurrent_step(const at::Tensor& x, const at::Tensor& g, const a
                 " on the CPU");
   check_rows(g, B, H, K, "g");
   TORCH_CHECK(beta.dim() == 2 && beta.size(0) == B && beta.size(1) == H, "conv_recurrent_step: beta must be (B, H)");
-  TORCH_CHECK(conv_weight.dim() == 2 && conv_weight.size(0) == C && conv_weight.is_contiguous(),
-              "conv_recurrent_step: conv_weight must be a contiguous (C, w) tensor");
-  const int64_t W = conv_weight.size(1);
+  const int64_t W = conv_weight.size(-1);  // (C, w), or (C, 1, w) as nn.Conv1d keeps it
+  TORCH_CHECK(conv_weight.size(0) == C && conv_weight.numel() == C * W && conv_weight.is_contiguous(),
+              "conv_recurrent_step: conv_weight must be a contiguous (C, w) or (C, 1, w) tensor");
   TORCH_CHECK(convs.dim() == 3 && convs.size(1) == C && convs.size(2) == W - 1 && convs.stride(2) == 1 &&
                   convs.stride(1) == W - 1 && convs.size(0) == states.size(0),
               "conv_recurrent_step: convs must be (P, C, w−1) rows beside the states, each contiguous");
