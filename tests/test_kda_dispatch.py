@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fla_standin
+import k3.ops.kda.cpu_kernel as cpu_kernel
 from k3 import K3Config, K3Model
 from k3.cli import main
 from k3.formats.tokenizer import byte_tokenizer
@@ -303,10 +304,12 @@ def test_model_training_step_through_the_standin(standin):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_engine_through_the_standin(standin, dtype):
+def test_engine_through_the_standin(standin, dtype, monkeypatch):
     """Batched prefill and decode over the page pool: KDA states stay fp32 in the pool whatever the
     model's dtype (fla asserts an fp32 initial state, and a bf16 state would be rounded every step),
     and the greedy tokens are those of the torch path."""
+    # decode steps through the op layer (fla's stand-in), not the layers' C++ decoding step that takes them on a CPU
+    monkeypatch.setattr(cpu_kernel, "conv_step_usable", lambda *a: False)
     torch.manual_seed(0)
     model = K3Model(K3Config.from_preset("tiny", vocab_size=TOK.vocab_size)).to(dtype).eval()
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9)]
