@@ -120,23 +120,34 @@ def recurrent_step(q, k, v, g, beta, A_log, dt_bias, scale, flags, states, rows)
     _require()
     dt = q.dtype
 
-    def param(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.detach().to(dt).reshape(-1).contiguous()
-
     o = torch.ops.k3_kda.recurrent_step(
         *(x.select(1, 0).to(dt) for x in (q, k, v, g, beta)),
-        param(A_log) if flags.use_gate_in_kernel else None,
-        param(dt_bias) if flags.use_gate_in_kernel else None,
+        *_step_options(dt, A_log, dt_bias, scale, flags),
+        states,
+        None if rows is None else rows.to(torch.int64).contiguous(),
+    )
+    return o.unsqueeze(1)
+
+
+def _step_options(dt: torch.dtype, A_log, dt_bias, scale: float, flags: KDAFlags) -> tuple:
+    """The decoding operators' shared arguments after the inputs: the gate's parameters (flat, contiguous, in the
+    compute dtype; passed as they are when already so) and the flags."""
+
+    def ready(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or not flags.use_gate_in_kernel:
+            return None
+        return t if (t.dtype == dt and t.is_contiguous()) else t.detach().to(dt).contiguous()
+
+    return (
+        ready(A_log),
+        ready(dt_bias),
         float(scale),
         flags.lower_bound,
         flags.use_qk_l2norm_in_kernel,
         flags.use_gate_in_kernel,
         flags.use_beta_sigmoid_in_kernel,
         flags.allow_neg_eigval,
-        states,
-        None if rows is None else rows.to(torch.int64).contiguous(),
     )
-    return o.unsqueeze(1)
 
 
 def conv_recurrent_step(x, g, beta, conv_weight, A_log, dt_bias, scale, flags, states, convs, rows) -> torch.Tensor:
@@ -148,22 +159,13 @@ def conv_recurrent_step(x, g, beta, conv_weight, A_log, dt_bias, scale, flags, s
     _require()
     dt = x.dtype
 
-    def ready(t: torch.Tensor | None) -> torch.Tensor | None:
-        return t if t is None or (t.dtype == dt and t.is_contiguous()) else t.detach().to(dt).contiguous()
-
+    w = conv_weight if conv_weight.dtype == dt and conv_weight.is_contiguous() else conv_weight.to(dt).contiguous()
     return torch.ops.k3_kda.conv_recurrent_step(
         x,
         g if g.dtype == dt else g.to(dt),  # any batch and head strides
         beta if beta.dtype == dt else beta.to(dt),
-        ready(conv_weight),
-        ready(A_log) if flags.use_gate_in_kernel else None,
-        ready(dt_bias) if flags.use_gate_in_kernel else None,
-        float(scale),
-        flags.lower_bound,
-        flags.use_qk_l2norm_in_kernel,
-        flags.use_gate_in_kernel,
-        flags.use_beta_sigmoid_in_kernel,
-        flags.allow_neg_eigval,
+        w.detach(),
+        *_step_options(dt, A_log, dt_bias, scale, flags),
         states,
         convs,
         rows,
