@@ -9,6 +9,7 @@ import torch
 
 from k3.formats.tokenizer import byte_tokenizer
 from k3.model.moe import moe_experts
+from k3.model.quantization import pack_experts, set_expert_quantization
 from k3.ops import moe_cpu
 from k3.serve.compiled_step import StepContext, compile_blocker, resolve, step_context
 from k3.serve.engine import EngineConfig, LLMEngine
@@ -77,6 +78,22 @@ def test_compiled_engine_keeps_results_exact_under_preemption(model):
     eng = engine(model, compile=True, num_pages=pages, caching=False, reserve_output_fraction=0.0)
     assert_same(run(eng, ps, params), eager)
     assert eng.metrics()["preemptions"] > 0 and eng.pool.num_used == 0
+
+
+@pytest.mark.parametrize("quantization", [None, "mxfp4"])
+def test_packed_experts_compiled_equal_eager(quantization):
+    """MXFP4-packed experts behind k3::moe_experts_mxfp4 (the kernel reading the packed bytes), with plain and
+    with MXFP8 inputs: the compiled engine's tokens and log-probabilities are the eager engine's, whose experts
+    are dequantised per call."""
+    packed = tiny_model(vocab_size=TOK.vocab_size, router_bias_std=0.3)
+    with torch.no_grad():  # experts whose outputs matter to the logits
+        for name, p in packed.named_parameters():
+            if ".experts." in name:
+                p.normal_(std=0.2)
+    pack_experts(packed)
+    set_expert_quantization(packed, quantization)
+    ps = prompts(5, 4)
+    assert_same(run(engine(packed, compile=True, max_batched_tokens=24), ps), run(engine(packed, compile=False), ps))
 
 
 def test_speculative_decoding_through_the_compiled_step(model):
@@ -149,8 +166,13 @@ def test_compile_settings(model, monkeypatch):
     with pytest.raises(ValueError, match="compile must be None"):
         EngineConfig(num_pages=10, compile="yes")
     quantized = tiny_model(vocab_size=TOK.vocab_size, expert_quantization="mxfp4")
-    assert "MXFP4" in compile_blocker(quantized)
-    with pytest.raises(ValueError, match=r"compile=True, but MXFP4-packed experts .*--no-compile"):
+    assert 'load with quantization="mxfp4"' in compile_blocker(quantized)
+    with pytest.raises(ValueError, match=r"compile=True, but the dense routed experts .*--no-compile"):
         resolve(quantized, True)
+    pack_experts(quantized)
+    assert compile_blocker(quantized) is None
+    set_expert_quantization(quantized, None)
+    assert compile_blocker(quantized) is None
+    quantized = tiny_model(vocab_size=TOK.vocab_size, expert_quantization="mxfp4")
     monkeypatch.setenv("K3_COMPILE", "auto")
     assert resolve(quantized, None) is False  # auto: eager, with the reason logged

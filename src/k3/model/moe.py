@@ -5,6 +5,8 @@
 Shape suffixes: T tokens, D model width, L latent width, E experts, K chosen per token, A assignments (T·K).
 """
 
+import itertools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -16,7 +18,9 @@ from k3.model.norm import RMSNorm
 from k3.model.router import Router, RouterOutput
 from k3.model.situ import Expert, GatedMLP, glu
 from k3.ops import moe_cpu
-from k3.quant.qat import quantized_input, quantized_weight
+from k3.quant.mx import unpack_mxfp4
+from k3.quant.packed_experts import MXFP4Linear
+from k3.quant.qat import INPUT_FORMAT, fake_quantize, quantized_input, quantized_weight
 
 # Above this many hidden activations (assignments × expert width) the experts run one whole chain each.
 MERGE_ELEMENTS = 1 << 18
@@ -56,6 +60,20 @@ class LatentMoE(nn.Module):
                 u_TL = torch.ops.k3_cpu.moe_experts(z_TL, routing.experts_TK, scores, *weights, *self.act)
             else:
                 u_TL = torch.ops.k3.moe_experts(z_TL, routing.experts_TK, routing.weights_TK, *weights, *self.act)
+        elif torch.compiler.is_compiling() and not torch.is_grad_enabled() and self.packed_experts():
+            # the same seam for MXFP4-packed experts: the kernel reads the packed bytes, nothing is dequantised
+            # (the graph names the layer by its handle instead of taking its 6·E byte tensors: Dynamo checks
+            # every buffer a graph reads for aliasing at each call, ~4 µs apiece even with guards skipped)
+            quantize_inputs = self.quantization == "mxfp4"
+            if moe_cpu.usable_packed(z_TL):  # the C++ kernel, with the tensors it was given under the handle
+                scores = routing.weights_TK.to(z_TL.dtype)
+                u_TL = torch.ops.k3_cpu.moe_experts_mxfp4_layer(
+                    z_TL, routing.experts_TK, scores, self.handle, *self.act, quantize_inputs
+                )
+            else:
+                u_TL = torch.ops.k3.moe_experts_mxfp4(
+                    z_TL, routing.experts_TK, routing.weights_TK, self.handle, *self.act, quantize_inputs
+                )
         else:
             u_TL = self.dispatch(z_TL, routing)
         y_TD = self.routed_expert_up_proj(self.routed_expert_norm(u_TL))
@@ -66,6 +84,45 @@ class LatentMoE(nn.Module):
     def plain_experts(self) -> bool:
         """Whether the experts are unquantised nn.Linear layers (what k3::moe_experts takes)."""
         return not self.quantization and all(type(ex.w1) is nn.Linear for ex in self.experts[:1])
+
+    def packed_experts(self) -> bool:
+        """Whether every routed expert projection is MXFP4-packed (what k3::moe_experts_mxfp4 takes)."""
+        return all(isinstance(getattr(ex, w), MXFP4Linear) for ex in self.experts for w in ("w1", "w3", "w2"))
+
+    @property
+    def handle(self) -> int:
+        """This layer's number in the registry k3::moe_experts_mxfp4 reads its packed experts from: given on
+        the first eager read (a compiled graph reads the number as a constant: k3.serve.compiled_step reads it
+        before tracing), and given anew to a copy of the layer, which must not compute with the original's."""
+        if not torch.compiler.is_compiling():
+            handle = self.__dict__.get("_handle")
+            if handle is None or _layers.get(handle, _gone)() is not self:
+                self._handle = next(_handles)
+                _layers[self._handle] = weakref.ref(self)
+                weakref.finalize(self, _forget, self._handle)
+            self._keep_packed()
+        elif "_handle" not in self.__dict__:
+            raise RuntimeError("read LatentMoE.handle outside the compiled region before tracing packed experts")
+        return self._handle
+
+    def _keep_packed(self) -> None:
+        """Keep the operators' argument lists (gathering 6·E buffers per call cost more than the experts) and
+        hand them to the C++ kernel, which a compiled graph calls with the handle alone."""
+        self._packed = self.packed_buffers() if self.packed_experts() else None
+        if self._packed is not None:
+            moe_cpu.set_packed_experts(self._handle, self._packed)
+
+    def _apply(self, *args, **kwargs):
+        out = super()._apply(*args, **kwargs)
+        if "_handle" in self.__dict__:  # .to(device) gives the buffers new tensors
+            self._keep_packed()
+        return out
+
+    def packed_buffers(self) -> list[list[torch.Tensor]]:
+        """The packed experts' bytes and scales as k3::moe_experts_mxfp4 takes them: six lists (w1's bytes,
+        w1's scales, w3's, w2's), one tensor per expert each."""
+        layers = [[ex.w1 for ex in self.experts], [ex.w3 for ex in self.experts], [ex.w2 for ex in self.experts]]
+        return [[getattr(m, b) for m in group] for group in layers for b in ("weight_packed", "weight_scale")]
 
     def dispatch(self, z_TL: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
         """Σ_k w_tk · Expert_{e_tk}(z_t): assignments sorted by expert so each expert's tokens are one
@@ -166,6 +223,65 @@ def moe_experts(
 @moe_experts.register_fake
 def _(z_TL, experts_TK, weights_TK, w1, w3, w2, act, beta1, beta2) -> torch.Tensor:
     return torch.empty_like(z_TL)
+
+
+# LatentMoE.handle -> the layer, for k3::moe_experts_mxfp4 (weak: the registry keeps no model alive)
+_layers: dict[int, weakref.ref] = {}
+_handles = itertools.count()
+
+
+def _gone() -> None:
+    return None
+
+
+def _forget(handle: int) -> None:
+    """A LatentMoE was collected: its registry entry and the tensors the C++ kernel kept for it go."""
+    _layers.pop(handle, None)
+    moe_cpu.drop_packed_experts(handle)
+
+
+@torch.library.custom_op("k3::moe_experts_mxfp4", mutates_args=())
+def moe_experts_mxfp4(
+    z_TL: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    layer: int,
+    act: str,
+    beta1: float,
+    beta2: float,
+    quantize_inputs: bool,
+) -> torch.Tensor:
+    """moe_experts for the MXFP4-packed experts (k3.quant.MXFP4Linear) of the LatentMoE whose handle is `layer`:
+    each active expert's weights dequantised and applied, its inputs MXFP8-quantised when quantize_inputs
+    (expert_quantization "mxfp4"), as LatentMoE.experts_forward computes them. On the CPU it runs k3's C++ kernel
+    (k3.ops.moe_cpu), which reads the packed bytes in place, where that loads; this path is its reference."""
+    moe = _layers.get(layer, _gone)()
+    if moe is None:
+        raise RuntimeError(f"k3::moe_experts_mxfp4: no LatentMoE has handle {layer} (the model is gone)")
+    packed = moe.__dict__.get("_packed") or moe.packed_buffers()
+    if moe_cpu.usable_packed(z_TL):
+        return moe_cpu.moe_experts_mxfp4(z_TL, experts_TK, weights_TK, packed, act, beta1, beta2, quantize_inputs)
+    p1, s1, p3, s3, p2, s2 = packed
+    counts = torch.bincount(experts_TK.flatten(), minlength=len(p1)).tolist()
+    active = [e for e, n in enumerate(counts) if n]
+    x = _quantized_input if quantize_inputs else _identity
+
+    def experts_forward(z_AL: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        weights = [
+            tuple(unpack_mxfp4(p[e], s[e], z_TL.dtype) for p, s in ((p1, s1), (p3, s3), (p2, s2))) for e in active
+        ]
+        return run_experts(z_AL, [counts[e] for e in active], weights, (act, beta1, beta2), x)
+
+    return combine(z_TL, experts_TK, weights_TK, counts, experts_forward)
+
+
+@moe_experts_mxfp4.register_fake
+def _(z_TL, experts_TK, weights_TK, layer, act, beta1, beta2, quantize_inputs) -> torch.Tensor:
+    return torch.empty_like(z_TL)
+
+
+def _quantized_input(x: torch.Tensor) -> torch.Tensor:
+    return fake_quantize(x, INPUT_FORMAT)
 
 
 def _plain_weight(layer: nn.Module) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 The library holds every C++ operator k3 has for the CPU: the chunked KDA op's forward and backward and the
 KDA decoding step (k3.ops.kda.cpu_kernel, ops/kda/csrc), the routed experts of a MoE layer for a serving
-step (k3.ops.moe_cpu) and MLA's decoding attention over the page pool (k3.ops.mla_cpu, both in ops/csrc).
+step, dense or MXFP4-packed (k3.ops.moe_cpu), and MLA's decoding attention over the page pool (k3.ops.mla_cpu;
+both in ops/csrc).
 It is built with torch's cpp_extension (g++ with OpenMP, -O3 -march=native)
 into `$K3_CACHE_DIR/kernels` (default `~/.cache/k3/kernels`), once per source, torch version, Python and CPU;
 a second process loads the built library in well under a second. Where it cannot be built (no compiler, a
@@ -23,10 +24,12 @@ from pathlib import Path
 import torch
 
 _OPS = Path(__file__).parent
+HEADERS = [_OPS / "csrc" / "moe_dispatch.h"]  # included by the sources: part of the build's key
 SOURCES = [
     _OPS / "kda" / "csrc" / "chunk_kda_cpu.cpp",  # k3_kda::chunk_fwd, k3_kda::chunk_bwd
     _OPS / "kda" / "csrc" / "recurrent_kda_cpu.cpp",  # k3_kda::recurrent_step
     _OPS / "csrc" / "moe_experts_cpu.cpp",  # k3_cpu::moe_experts
+    _OPS / "csrc" / "moe_experts_mxfp4_cpu.cpp",  # k3_cpu::moe_experts_mxfp4
     _OPS / "csrc" / "mla_decode_cpu.cpp",  # k3_cpu::mla_paged_decode
 ]
 NAME = "k3_cpu"
@@ -47,7 +50,7 @@ def _cpu_signature() -> str:
 
 
 def _key() -> str:
-    parts = [*(p.read_bytes() for p in SOURCES), torch.__version__.encode(), sys.version.encode()]
+    parts = [*(p.read_bytes() for p in SOURCES + HEADERS), torch.__version__.encode(), sys.version.encode()]
     parts.append(_cpu_signature().encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 

@@ -13,7 +13,8 @@ CPU) into a few fused kernels and the matmuls. Two kinds of work stay outside th
   attention op reaches its KV cache through its forward context. Inside, the mixing runs as in the eager
   engine, over the pool in place, so the graph holds no pool tensor and no mutation.
 - `k3::moe_experts` (k3.model.moe): the routed experts, whose per-expert row counts decide the shapes
-  of their matmuls.
+  of their matmuls; MXFP4-packed experts go to `k3_cpu::moe_experts_mxfp4_layer`, which names the layer by
+  its handle (LatentMoE.handle, read here before tracing) instead of taking its 6·E byte tensors.
 
 Behind the seams, the decoding work runs in C++ where k3's CPU library loads (k3.ops.cpu_library): a KDA layer's
 convolutions and recurrence, MLA's attention over the pool's pages, the experts.
@@ -131,6 +132,9 @@ class CompiledStep:
         # concatenated projections), so the graph takes them as inputs instead of concatenating every step
         with torch.no_grad():
             model(torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device))
+        # packed experts are reached by their layer's handle, given (and their tensors handed over) before tracing
+        packed = [moe for moe in model.modules() if hasattr(moe, "packed_experts") and moe.packed_experts()]
+        self.handles = [moe.handle for moe in packed]
         cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         cache_dir.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
@@ -185,10 +189,17 @@ def compile_blocker(model: nn.Module) -> str | None:
         return f"the compiled step is built and tested on the CPU; on {device.type} the step runs eagerly"
     if config.vision_config is not None:
         return "a vision model's steps place image embeddings, which the compiled step does not take"
-    if config.expert_quantization is not None or any(
-        not moe.plain_experts() for moe in model.modules() if hasattr(moe, "plain_experts")
-    ):
-        return "MXFP4-packed experts dequantise per call, which the compiled step does not trace"
+    for moe in (m for m in model.modules() if hasattr(m, "packed_experts")):
+        if moe.packed_experts():
+            continue  # the MXFP4 kernel's seam, with or without MXFP8 inputs
+        if config.expert_quantization is not None:
+            return (
+                f"the dense routed experts compute as expert_quantization {config.expert_quantization!r} "
+                "(fake-quantised weights per call, QAT), which the compiled step does not trace; load with "
+                'quantization="mxfp4" to serve them packed'
+            )
+        if not moe.plain_experts():
+            return "the routed experts are neither nn.Linear nor MXFP4-packed layers"
     if not any(shutil.which(cxx) for cxx in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
         return "Inductor needs a C++ compiler (g++ or clang++) to compile for the CPU, and none is on PATH"
     return None
