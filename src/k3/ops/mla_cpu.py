@@ -7,10 +7,13 @@ import torch
 
 from k3.ops import cpu_library
 
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
 
 def usable(q: torch.Tensor, latents: torch.Tensor) -> bool:
-    """Whether the kernel runs on queries like q over this pool view: CPU, one dtype (fp32 or fp64)."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or latents.dtype != q.dtype:
+    """Whether the kernel runs on queries like q over this pool view: CPU, one dtype (fp32, fp64, or bf16 with
+    fp32 arithmetic)."""
+    if q.device.type != "cpu" or q.dtype not in DTYPES or latents.dtype != q.dtype:
         return False
     return cpu_library.load()
 

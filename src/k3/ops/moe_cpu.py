@@ -10,11 +10,13 @@ import torch
 
 from k3.ops import cpu_library
 
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # the dense kernel's (bf16: ATen's matmul, fp32 sums)
+
 
 def usable(z: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the kernel runs experts on inputs like z with weights like w: CPU, fp32 or fp64, one dtype. Plain
-    comparisons and a cached load, so a compiled graph reads the answer once while tracing."""
-    return z.device.type == "cpu" and z.dtype in (torch.float32, torch.float64) and w.dtype == z.dtype and _loaded()
+    """Whether the kernel runs experts on inputs like z with weights like w: CPU, fp32, fp64 or bf16, one dtype.
+    Plain comparisons and a cached load, so a compiled graph reads the answer once while tracing."""
+    return z.device.type == "cpu" and z.dtype in DTYPES and w.dtype == z.dtype and _loaded()
 
 
 @torch.compiler.assume_constant_result  # read once while tracing: the build and the load stay out of a graph

@@ -28,41 +28,44 @@ namespace {
 
 constexpr int64_t CHUNK = 256;  // tokens per work item: one thread's share of a long context
 
-template <typename T>
+// S the stored values' type (inputs, weight, pool, output), T the arithmetic's: S, or float for bfloat16.
+template <typename S, typename T = S>
 void decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& c_kv, const at::Tensor& k_pe,
             const at::Tensor& w_kv, at::Tensor& latents, int64_t layer, const at::Tensor& tables,
             const at::Tensor& past, double scale, at::Tensor& o) {
   const int64_t B = q_nope.size(0), H = q_nope.size(1), N = q_nope.size(2), R = c_kv.size(1), E = k_pe.size(1);
   const int64_t V = w_kv.size(0) / H - N, P = latents.size(1), D = R + E;
   const int64_t s0 = latents.stride(0), s1 = latents.stride(1), s2 = latents.stride(2);
-  T* lat = latents.data_ptr<T>();
-  const T* W = w_kv.data_ptr<T>();
+  S* lat = latents.data_ptr<S>();
+  const S* W = w_kv.data_ptr<S>();
   const int64_t* tab = tables.data_ptr<int64_t>();
   const int64_t* pst = past.data_ptr<int64_t>();
   const int64_t TW = tables.size(1);
   auto slot = [&](int64_t b, int64_t t) { return lat + tab[b * TW + t / P] * s0 + (t % P) * s1 + layer * s2; };
   // the new latents into their slots, and every query in latent space (scaled), (B, H, D)
   std::vector<T> q(B * H * D);
-  const T* cp = c_kv.data_ptr<T>();
-  const T* kp = k_pe.data_ptr<T>();
+  const S* cp = c_kv.data_ptr<S>();
+  const S* kp = k_pe.data_ptr<S>();
   for (int64_t b = 0; b < B; ++b) {
-    T* dst = slot(b, pst[b]);
+    S* dst = slot(b, pst[b]);
     for (int64_t j = 0; j < R; ++j) dst[j] = cp[b * c_kv.stride(0) + j * c_kv.stride(1)];
     for (int64_t j = 0; j < E; ++j) dst[R + j] = kp[b * k_pe.stride(0) + j * k_pe.stride(1)];
   }
-  const T* qn = q_nope.data_ptr<T>();
-  const T* qp = q_pe.data_ptr<T>();
+  const S* qn = q_nope.data_ptr<S>();
+  const S* qp = q_pe.data_ptr<S>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
       T* qi = q.data() + (b * H + h) * D;
       std::fill_n(qi, D, T(0));
-      const T* wk = W + h * (N + V) * R;
-      const T* qh = qn + b * q_nope.stride(0) + h * q_nope.stride(1);
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t j = 0; j < R; ++j) qi[j] += qh[n] * wk[n * R + j];
+      const S* wk = W + h * (N + V) * R;
+      const S* qh = qn + b * q_nope.stride(0) + h * q_nope.stride(1);
+      for (int64_t n = 0; n < N; ++n) {
+        const T qv = static_cast<T>(qh[n]);
+        for (int64_t j = 0; j < R; ++j) qi[j] += qv * static_cast<T>(wk[n * R + j]);
+      }
       for (int64_t j = 0; j < R; ++j) qi[j] *= T(scale);
-      const T* ph = qp + b * q_pe.stride(0) + h * q_pe.stride(1);
-      for (int64_t j = 0; j < E; ++j) qi[R + j] = ph[j] * T(scale);
+      const S* ph = qp + b * q_pe.stride(0) + h * q_pe.stride(1);
+      for (int64_t j = 0; j < E; ++j) qi[R + j] = static_cast<T>(ph[j]) * T(scale);
     }
   // work items: (sequence, chunk of its L = past + 1 keys); partial max, sum and Σ p·c per item and head
   std::vector<int64_t> item_b, item_t0;
@@ -72,7 +75,7 @@ void decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& 
   std::vector<T> m(I * H), l(I * H), acc(I * H * R);
   at::parallel_for(0, I, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> s(H * CHUNK);  // the chunk's scores, head-major
-    std::vector<const T*> rows(CHUNK);
+    std::vector<const S*> rows(CHUNK);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = item_b[i], t0 = item_t0[i], n = std::min(t0 + CHUNK, pst[b] + 1) - t0;
       T* mi = m.data() + i * H;
@@ -81,12 +84,12 @@ void decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& 
       for (int64_t t = 0; t < n; ++t) rows[t] = slot(b, t0 + t);
       // scores, then each head's maximum, weights and sums over the chunk: no per-token rescaling
       for (int64_t t = 0; t < n; ++t) {
-        const T* c = rows[t];
+        const S* c = rows[t];
         for (int64_t h = 0; h < H; ++h) {
           const T* qi = q.data() + (b * H + h) * D;
           T dot = 0;
 #pragma omp simd reduction(+ : dot)  // vectorised: a reduction GCC leaves scalar without it (no -ffast-math)
-          for (int64_t j = 0; j < D; ++j) dot += qi[j] * c[j];
+          for (int64_t j = 0; j < D; ++j) dot += qi[j] * static_cast<T>(c[j]);
           s[h * CHUNK + t] = dot;
         }
       }
@@ -99,18 +102,18 @@ void decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& 
       }
       std::fill_n(ai, H * R, T(0));
       for (int64_t t = 0; t < n; ++t) {
-        const T* c = rows[t];
+        const S* c = rows[t];
         for (int64_t h = 0; h < H; ++h) {
           const T p = s[h * CHUNK + t];
           T* ah = ai + h * R;
 #pragma omp simd
-          for (int64_t j = 0; j < R; ++j) ah[j] += p * c[j];
+          for (int64_t j = 0; j < R; ++j) ah[j] += p * static_cast<T>(c[j]);
         }
       }
     }
   });
   // merge each sequence's items, then o_h = W_UV,h ctx_h
-  T* op = o.data_ptr<T>();
+  S* op = o.data_ptr<S>();
   std::vector<T> ctx(R);
   int64_t i0 = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -127,13 +130,13 @@ void decode(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& 
         const T* ah = acc.data() + (i * H + h) * R;
         for (int64_t j = 0; j < R; ++j) ctx[j] += ah[j] * r;
       }
-      const T* wv = W + (h * (N + V) + N) * R;
-      T* oh = op + (b * H + h) * V;
+      const S* wv = W + (h * (N + V) + N) * R;
+      S* oh = op + (b * H + h) * V;
       for (int64_t u = 0; u < V; ++u) {
         T dot = 0;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t j = 0; j < R; ++j) dot += wv[u * R + j] * ctx[j];
-        oh[u] = dot / sum;
+        for (int64_t j = 0; j < R; ++j) dot += static_cast<T>(wv[u * R + j]) * ctx[j];
+        oh[u] = static_cast<S>(dot / sum);
       }
     }
     i0 = i1;
@@ -144,7 +147,8 @@ at::Tensor mla_paged_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, co
                             const at::Tensor& k_pe, const at::Tensor& w_kv, at::Tensor latents, int64_t layer,
                             const at::Tensor& tables, const at::Tensor& past, double scale) {
   const auto dt = q_nope.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble, "mla_paged_decode: float32 or float64 inputs, got ", dt);
+  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16,
+              "mla_paged_decode: float32, float64 or bfloat16 inputs, got ", dt);
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q_pe, &c_kv, &k_pe, &w_kv, &latents})
     TORCH_CHECK(t->scalar_type() == dt && t->device().is_cpu(), "mla_paged_decode: every input must be ", dt,
                 " on the CPU");
@@ -180,6 +184,8 @@ at::Tensor mla_paged_decode(const at::Tensor& q_nope, const at::Tensor& q_pe, co
   auto o = at::empty({B, H, w_kv.size(0) / H - q_nope.size(2)}, q_nope.options());
   if (dt == at::kFloat)
     decode<float>(q_nope, q_pe, c_kv, k_pe, w_kv, latents, layer, tables, past, scale, o);
+  else if (dt == at::kBFloat16)  // bf16 values, fp32 arithmetic (scores, softmax, sums), as SDPA's CPU kernel
+    decode<at::BFloat16, float>(q_nope, q_pe, c_kv, k_pe, w_kv, latents, layer, tables, past, scale, o);
   else
     decode<double>(q_nope, q_pe, c_kv, k_pe, w_kv, latents, layer, tables, past, scale, o);
   return o;

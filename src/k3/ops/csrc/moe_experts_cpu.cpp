@@ -6,7 +6,8 @@
 // parallel), and each token's weighted sum taken in ascending expert order, as the reference's index_add.
 //
 // z (T, L); experts, weights (T, K) (expert ids int64, weights in z's dtype); w1[e], w3[e] (I, L)
-// and w2[e] (L, I) contiguous, expert e's gate, up and down projections. Returns u (T, L).
+// and w2[e] (L, I) contiguous, expert e's gate, up and down projections. Returns u (T, L). float32, float64, or
+// bfloat16 (matmuls through ATen's, the activation in fp32, each token's sum in fp32, rounded once).
 
 #include <torch/library.h>
 
@@ -62,7 +63,7 @@ at::Tensor moe_experts(const at::Tensor& z_in, const at::Tensor& experts_in, con
   const int64_t E = static_cast<int64_t>(w1.size());
   TORCH_CHECK(E > 0 && static_cast<int64_t>(w3.size()) == E && static_cast<int64_t>(w2.size()) == E,
               "moe_experts: w1, w3, w2 must hold one weight per expert each");
-  k3_moe::check_routing(z, experts_tk, weights_tk, E, act, "moe_experts");
+  k3_moe::check_routing(z, experts_tk, weights_tk, E, act, "moe_experts", /*bf16=*/true);
   const int64_t I = w1[0].size(0), L = z.size(1);
   const auto dt = z.scalar_type();
   std::vector<at::Tensor> a(w1.begin(), w1.end()), b(w3.begin(), w3.end()), c(w2.begin(), w2.end());
@@ -76,6 +77,8 @@ at::Tensor moe_experts(const at::Tensor& z_in, const at::Tensor& experts_in, con
   if (z.size(0) == 0) return out;
   if (dt == at::kFloat)
     experts<float>(z, experts_tk, weights_tk, a, b, c, act == "situ", beta1, beta2, out);
+  else if (dt == at::kBFloat16)
+    experts<at::BFloat16>(z, experts_tk, weights_tk, a, b, c, act == "situ", beta1, beta2, out);
   else
     experts<double>(z, experts_tk, weights_tk, a, b, c, act == "situ", beta1, beta2, out);
   return out;

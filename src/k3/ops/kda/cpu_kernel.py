@@ -165,7 +165,7 @@ def conv_recurrent_step(x, g, beta, conv_weight, A_log, dt_bias, scale, flags, s
         g if g.dtype == dt else g.to(dt),  # any batch and head strides
         beta if beta.dtype == dt else beta.to(dt),
         w.detach(),
-        *_step_options(dt, A_log, dt_bias, scale, flags),
+        *_step_options(states.dtype, A_log, dt_bias, scale, flags),  # the gate's parameters in the state's dtype
         states,
         convs,
         rows,
@@ -200,10 +200,12 @@ def conv_recurrent_kda(
 
 def conv_step_usable(x: torch.Tensor, states: torch.Tensor, convs: torch.Tensor) -> bool:
     """Whether conv_recurrent_step runs on these: CPU, one dtype (fp32 or fp64) for the inputs, states and conv
-    tails, each state and tail a contiguous block (read from the strides: no view is made per call)."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+    tails, or bf16 inputs and tails with fp32 states (a bf16 pool's), each state and tail a contiguous block (read
+    from the strides: no view is made per call)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64, torch.bfloat16):
         return False
-    if states.dtype != x.dtype or convs.dtype != x.dtype or states.dim() != 4 or convs.dim() != 3:
+    state_dtype = torch.float32 if x.dtype == torch.bfloat16 else x.dtype
+    if states.dtype != state_dtype or convs.dtype != x.dtype or states.dim() != 4 or convs.dim() != 3:
         return False
     K, V = states.shape[2:]
     if states.stride()[1:] != (K * V, V, 1) or convs.stride()[1:] != (convs.shape[2], 1):

@@ -27,6 +27,7 @@
 #include <initializer_list>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -130,37 +131,50 @@ void step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const a
 // The short convolutions' decoding step and then the recurrence, per sequence: x (C = 2HK + HV) the raw q, k,
 // v channels, tail (C, w−1) the channels' last w−1 inputs (shifted by one in place), weight (C, w);
 // y = silu(Σ_j tail_j·weight_j + x·weight_{w−1}) as short_conv.causal_conv_reference, then q, k, v = y's parts.
-template <typename T>
+// S is the type of x, g, beta, the weight, the tails and the output; T the states' and the arithmetic's (S, or
+// float for bfloat16: the tails hold bf16 values as the pool does, every sum and the state are fp32).
+template <typename T, typename S = T>
 void conv_step(const at::Tensor& x, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& weight,
                const Options<T>& p, at::Tensor& states, at::Tensor& convs, const std::optional<at::Tensor>& rows,
                at::Tensor& o) {
   const int64_t B = x.size(0), C = x.size(1), W = weight.size(-1), H = p.H, K = p.K;
-  const T *xp = x.data_ptr<T>(), *wp = weight.data_ptr<T>(), *gp = g.data_ptr<T>(), *bp = beta.data_ptr<T>();
+  const S *xp = x.data_ptr<S>(), *wp = weight.data_ptr<S>(), *gp = g.data_ptr<S>(), *bp = beta.data_ptr<S>();
   T* sp = states.data_ptr<T>();
-  T* cp = convs.data_ptr<T>();
-  T* op = o.data_ptr<T>();
+  S* cp = convs.data_ptr<S>();
+  S* op = o.data_ptr<S>();
   const int64_t* rp = rows ? rows->data_ptr<int64_t>() : nullptr;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     Scratch<T> w(p.K, p.V);
-    std::vector<T> y(C);
+    std::vector<T> y(C), gt(std::is_same_v<S, T> ? 0 : K), ot(std::is_same_v<S, T> ? 0 : p.V);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t row = rp ? rp[b] : b;
-      const T* xb = xp + b * x.stride(0);
-      T* tail = cp + row * convs.stride(0);
+      const S* xb = xp + b * x.stride(0);
+      S* tail = cp + row * convs.stride(0);
       for (int64_t c = 0; c < C; ++c) {
-        T* tc = tail + c * (W - 1);
-        const T* wc = wp + c * W;
+        S* tc = tail + c * (W - 1);
+        const S* wc = wp + c * W;
         T acc = 0;
-        for (int64_t j = 0; j < W - 1; ++j) acc += tc[j] * wc[j];
-        acc += xb[c] * wc[W - 1];
+        for (int64_t j = 0; j < W - 1; ++j) acc += static_cast<T>(tc[j]) * static_cast<T>(wc[j]);
+        acc += static_cast<T>(xb[c]) * static_cast<T>(wc[W - 1]);
         y[c] = acc / (T(1) + std::exp(-acc));  // silu
         for (int64_t j = 0; j + 1 < W - 1; ++j) tc[j] = tc[j + 1];
         if (W > 1) tc[W - 2] = xb[c];
       }
-      for (int64_t h = 0; h < H; ++h)
-        head_step<T>(y.data() + h * K, y.data() + H * K + h * K, y.data() + 2 * H * K + h * p.V,
-                     gp + b * g.stride(0) + h * g.stride(1), bp[b * beta.stride(0) + h * beta.stride(1)], h,
-                     sp + row * states.stride(0) + h * K * p.V, op + (b * H + h) * p.V, p, w);
+      for (int64_t h = 0; h < H; ++h) {
+        const S* gh = gp + b * g.stride(0) + h * g.stride(1);
+        const T bh = static_cast<T>(bp[b * beta.stride(0) + h * beta.stride(1)]);
+        T* state = sp + row * states.stride(0) + h * K * p.V;
+        S* oh = op + (b * H + h) * p.V;
+        if constexpr (std::is_same_v<S, T>) {
+          head_step<T>(y.data() + h * K, y.data() + H * K + h * K, y.data() + 2 * H * K + h * p.V, gh, bh, h, state,
+                       oh, p, w);
+        } else {
+          for (int64_t c = 0; c < K; ++c) gt[c] = static_cast<T>(gh[c]);
+          head_step<T>(y.data() + h * K, y.data() + H * K + h * K, y.data() + 2 * H * K + h * p.V, gt.data(), bh, h,
+                       state, ot.data(), p, w);
+          for (int64_t j = 0; j < p.V; ++j) oh[j] = static_cast<S>(ot[j]);
+        }
+      }
     }
   });
 }
@@ -229,7 +243,8 @@ at::Tensor recurrent_step(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 // x (B, 2HK + HV) the raw q, k, v channels before the short convolutions, g (B, H, K), beta (B, H); conv_weight
 // (2HK + HV, w); states as recurrent_step's; convs (P, 2HK + HV, w−1) with rows, or (B, ·, w−1) without, each
-// row contiguous, shifted in place. Returns o (B, H, V).
+// row contiguous, shifted in place. Returns o (B, H, V). With bfloat16 inputs (a bf16 pool), the states, A_log
+// and dt_bias are float32 (the pool's state dtype) and the arithmetic is too.
 at::Tensor conv_recurrent_step(const at::Tensor& x, const at::Tensor& g, const at::Tensor& beta,
                                const at::Tensor& conv_weight, const std::optional<at::Tensor>& A_log,
                                const std::optional<at::Tensor>& dt_bias, double scale,
@@ -238,14 +253,18 @@ at::Tensor conv_recurrent_step(const at::Tensor& x, const at::Tensor& g, const a
                                const std::optional<at::Tensor>& rows) {
   const int64_t B = x.size(0), C = x.size(1), H = g.size(1), K = g.size(2);
   const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble, "conv_recurrent_step: float32 or float64 inputs, got ", dt);
+  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16,
+              "conv_recurrent_step: float32, float64 or bfloat16 inputs, got ", dt);
+  const auto compute = dt == at::kBFloat16 ? at::kFloat : dt;  // the states', A_log's and dt_bias's dtype
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "conv_recurrent_step: x must be (B, C) with contiguous channels");
   TORCH_CHECK((C - 2 * H * K) > 0 && (C - 2 * H * K) % H == 0, "conv_recurrent_step: x's ", C,
               " channels are not 2HK + HV for H = ", H, ", K = ", K);
   const int64_t V = (C - 2 * H * K) / H;
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&g, &beta, &conv_weight, &states, &convs})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&g, &beta, &conv_weight, &convs})
     TORCH_CHECK(t->scalar_type() == dt && t->device().is_cpu(), "conv_recurrent_step: every input must be ", dt,
                 " on the CPU");
+  TORCH_CHECK(states.scalar_type() == compute && states.device().is_cpu(), "conv_recurrent_step: the states must be ",
+              compute, " on the CPU");
   check_rows(g, B, H, K, "g");
   TORCH_CHECK(beta.dim() == 2 && beta.size(0) == B && beta.size(1) == H, "conv_recurrent_step: beta must be (B, H)");
   const int64_t W = conv_weight.size(-1);  // (C, w), or (C, 1, w) as nn.Conv1d keeps it
@@ -254,11 +273,14 @@ at::Tensor conv_recurrent_step(const at::Tensor& x, const at::Tensor& g, const a
   TORCH_CHECK(convs.dim() == 3 && convs.size(1) == C && convs.size(2) == W - 1 && convs.stride(2) == 1 &&
                   convs.stride(1) == W - 1 && convs.size(0) == states.size(0),
               "conv_recurrent_step: convs must be (P, C, w−1) rows beside the states, each contiguous");
-  check_states(states, rows, B, H, K, V, gate, lower_bound, A_log, dt_bias, dt);
+  check_states(states, rows, B, H, K, V, gate, lower_bound, A_log, dt_bias, compute);
   auto o = at::empty({B, H, V}, x.options());
   if (dt == at::kFloat) {
     const auto p = options<float>(H, K, V, scale, lower_bound, l2norm, gate, beta_sigmoid, neg_eigval, A_log, dt_bias);
     conv_step<float>(x, g, beta, conv_weight, p, states, convs, rows, o);
+  } else if (dt == at::kBFloat16) {
+    const auto p = options<float>(H, K, V, scale, lower_bound, l2norm, gate, beta_sigmoid, neg_eigval, A_log, dt_bias);
+    conv_step<float, at::BFloat16>(x, g, beta, conv_weight, p, states, convs, rows, o);
   } else {
     const auto p = options<double>(H, K, V, scale, lower_bound, l2norm, gate, beta_sigmoid, neg_eigval, A_log, dt_bias);
     conv_step<double>(x, g, beta, conv_weight, p, states, convs, rows, o);
