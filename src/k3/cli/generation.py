@@ -66,7 +66,10 @@ def _generate(args: argparse.Namespace, mid_line: list[bool]) -> int:
             quantization=args.quantization,
             device=device,
             compile=args.compile,
+            dtype=args.dtype,
         )
+        if args.dtype == "auto" or args.verbose:
+            print(f"k3 generate: dtype {llm.dtype_choice}", file=sys.stderr)
         request = image_prompt(llm, pictures, prompt) if pictures else prompt  # token ids with the images
         if args.verbose:
             print(llm.engine.describe(), file=sys.stderr)

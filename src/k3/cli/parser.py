@@ -15,6 +15,7 @@ from k3.eval_lengths import EVAL_TASKS
 from k3.hub.export import QUANTIZE_FORMATS
 from k3.hub.load import QUANTIZATIONS
 from k3.model.params import DEFAULT_CONTEXT
+from k3.ops.compute_dtype import CHOICES as DTYPE_CHOICES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="FILE",
         help="an image before the prompt, for a vision model (repeatable; docs/vision.md)",
+    )
+    gen.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="float32",
+        help="the weights' and activations' dtype; auto: bfloat16 where this machine's bf16 matmuls measure "
+        "≥ 1.5× fp32's, KDA states stay fp32 (default: %(default)s)",
     )
     gen.add_argument(
         "--compile",

@@ -39,7 +39,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("K3_CACHE_DIR", Path.home() / ".cache" / "k3")) / "kernels"
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """What -march=native compiles for: the CPU model and its flags (machines differ between sessions)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -51,7 +51,7 @@ def _cpu_signature() -> str:
 
 def _key() -> str:
     parts = [*(p.read_bytes() for p in SOURCES + HEADERS), torch.__version__.encode(), sys.version.encode()]
-    parts.append(_cpu_signature().encode())
+    parts.append(cpu_signature().encode())
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 

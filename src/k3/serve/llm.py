@@ -4,6 +4,7 @@ Both go through one AsyncEngine (its loop thread owns the engine), so streams an
 interleaved, or run from several threads, each request reading only its own outputs.
 """
 
+import logging
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,10 +12,13 @@ from pathlib import Path
 
 import torch
 
+from k3.ops.compute_dtype import resolve_dtype
 from k3.serve.async_engine import AsyncEngine, RequestHandle
 from k3.serve.engine import EngineConfig, LLMEngine
 from k3.serve.sampling import SamplingParams, TokenLogprob
 from k3.serve.scheduler import SchedulerConfig
+
+log = logging.getLogger("k3.serve")
 
 
 @dataclass
@@ -37,7 +41,9 @@ class LLM:
     memory_budget: bytes for the page pool (default 256 MiB), or num_pages: its size in pages.
     max_model_len: the context, prompt + max_tokens, a request may use (default max_position_embeddings).
     text_only: load a multimodal folder's language model, skipping the vision tower and projector.
-    dtype: the model's dtype (float32 by default; folder tensors are converted to it).
+    dtype: the model's dtype (float32 by default; folder tensors are converted to it): a torch.dtype, a name
+    ("bfloat16", "float32", ...), or "auto": bf16 where this machine's bf16 matmuls measure ≥ 1.5× fp32's
+    (k3.ops.compute_dtype; the choice and its reason are `LLM.dtype_choice`). KDA states stay fp32.
     quantization: None (default) holds every weight dense, decoding MXFP4-packed experts at load; "mxfp4"
     keeps the routed experts packed in memory and computes from them (a packed folder's bytes as they are;
     dense weights packed at load), 128/17 ≈ 7.5x fewer resident expert bytes than fp32.
@@ -61,7 +67,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         device: str = "cpu",
         text_only: bool = False,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         quantization: str | None = None,
         ckpt: str | Path | None = None,
         max_model_len: int | None = None,
@@ -78,6 +84,9 @@ class LLM:
         if (model is None) == (ckpt is None):
             raise TypeError("LLM takes one model path: LLM(path), LLM(model=path) or LLM(ckpt=path)")
         check_quantization(quantization)  # before the scheduler's keywords and the (long) load
+        self.dtype_choice = resolve_dtype(dtype, device)
+        if dtype == "auto":
+            log.info("k3: dtype %s", self.dtype_choice)
         if speculative_model is not None:
             read_meta(speculative_model)  # a missing or corrupt draft folder is reported before the load too
         if memory_budget is None and num_pages is None:
@@ -93,7 +102,11 @@ class LLM:
             scheduler=SchedulerConfig(**scheduler_kwargs),
         )
         weights, self.tokenizer = load_for_inference(
-            model if ckpt is None else ckpt, device=device, dtype=dtype, text_only=text_only, quantization=quantization
+            model if ckpt is None else ckpt,
+            device=device,
+            dtype=self.dtype_choice.dtype,
+            text_only=text_only,
+            quantization=quantization,
         )
         draft = load_draft(speculative_model, weights) if speculative_model is not None else None
         self.engine = LLMEngine(weights, self.tokenizer, config, draft=draft)

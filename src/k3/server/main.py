@@ -120,10 +120,13 @@ def build_engine(
     max_num_seqs: int | None = None,
     speculative_model: str | Path | None = None,
     compile: bool | None = None,
+    dtype: str = "float32",
 ):
     """(AsyncEngine started, the model's context) for a model, run or step folder; speculative_model: a
-    draft folder from `k3 train-draft` (docs/speculative.md); compile: EngineConfig.compile (None: auto)."""
+    draft folder from `k3 train-draft` (docs/speculative.md); compile: EngineConfig.compile (None: auto);
+    dtype: a name or "auto" (k3.ops.compute_dtype)."""
     from k3.hub import load_for_inference
+    from k3.ops.compute_dtype import resolve_dtype
     from k3.serve.async_engine import AsyncEngine
     from k3.serve.engine import EngineConfig, LLMEngine
     from k3.serve.scheduler import SchedulerConfig
@@ -131,7 +134,10 @@ def build_engine(
 
     if speculative_model is not None:
         read_meta(speculative_model)  # a wrong folder is an error before the model's load
-    weights, tokenizer = load_for_inference(model, device=device, quantization=quantization)
+    choice = resolve_dtype(dtype, device)
+    if dtype == "auto":
+        print(f"k3 serve: dtype {choice}", flush=True)
+    weights, tokenizer = load_for_inference(model, device=device, dtype=choice.dtype, quantization=quantization)
     draft = load_draft(speculative_model, weights) if speculative_model is not None else None
     if memory_budget is None and num_pages is None:
         memory_budget = 256 << 20
@@ -160,6 +166,7 @@ def serve(
     ready=None,
     speculative_model: str | Path | None = None,
     compile: bool | None = None,
+    dtype: str = "float32",
 ) -> int:
     """Serve until a shutdown signal; 0 after a drained shutdown, 128 + the signal after a forced one.
     max_model_len may only lower the model's context; `limits` holds ServerLimits' other fields.
@@ -168,7 +175,7 @@ def serve(
     sock = bind(host, port)
     with sock:
         engine, context = build_engine(
-            model, memory_budget, num_pages, device, quantization, max_num_seqs, speculative_model, compile
+            model, memory_budget, num_pages, device, quantization, max_num_seqs, speculative_model, compile, dtype
         )
         try:
             if max_model_len is not None and not 1 <= max_model_len <= context:
