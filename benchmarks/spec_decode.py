@@ -5,7 +5,9 @@
     python benchmarks/spec_decode.py --quick      # seconds: the tiny preset, untrained drafts (a smoke run)
 
 Prompts are 8 windows of the run's validation tokens (val_tokens.npy); outputs are greedy (and, for the
-acceptance table, also sampled at temperature 1). Batch 1: the first 4 prompts one after another; batch 8:
+acceptance table, also sampled at temperature 1). Each configuration keeps one engine across rounds, warmed
+up first, so a compiled step (the default where the machine allows it; --no-compile for the eager one) is
+traced before the timings. Batch 1: the first 4 prompts one after another; batch 8:
 all 8 together. Every configuration generates the same requests; rounds alternate the configurations so a
 shared machine's load hits each alike, and the median round is reported. Greedy outputs with a draft are
 checked to be the tokens without one.
@@ -51,23 +53,28 @@ def load(args) -> tuple[torch.nn.Module, dict, np.ndarray]:
     return model, drafts, np.load(val)
 
 
-def generate(model, draft, prompts, params, rollback="snapshot", k=None) -> tuple[float, list[list[int]], LLMEngine]:
-    """Seconds to finish every request (all added at once), their tokens, and the engine (its spec_stats)."""
-    engine = LLMEngine(
-        model,
-        None,
-        EngineConfig(
-            memory_budget=96 << 20, enable_prefix_caching=False, spec_rollback=rollback, num_speculative_tokens=k
-        ),
-        draft=draft,
+def new_engine(model, draft, rollback="snapshot", k=None, compile=None) -> LLMEngine:
+    """An engine for one configuration, kept across rounds: a compiled step is traced once per engine."""
+    config = EngineConfig(
+        memory_budget=96 << 20,
+        enable_prefix_caching=False,
+        spec_rollback=rollback,
+        num_speculative_tokens=k,
+        compile=compile,
     )
+    return LLMEngine(model, None, config, draft=draft)
+
+
+def generate(engine: LLMEngine, prompts, params) -> tuple[float, list[list[int]], SpecStats]:
+    """Seconds to finish every request (all added at once), their tokens, and the speculation's statistics."""
+    engine.spec_stats = SpecStats()
     ids = [engine.add_request(p, params) for p in prompts]
     out = {i: [] for i in ids}
     t0 = time.perf_counter()
     while engine.has_unfinished():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
-    return time.perf_counter() - t0, [out[i] for i in ids], engine
+    return time.perf_counter() - t0, [out[i] for i in ids], engine.spec_stats
 
 
 def merged(all_stats: list[SpecStats]) -> SpecStats:
@@ -85,6 +92,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="tiny preset, untrained drafts, few tokens")
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the engines' step: compiled, eager, or (default) as $K3_COMPILE says (auto: compiled where it can)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.max_tokens, args.rounds = 12, 1
@@ -101,17 +114,22 @@ def main() -> None:
         (f"{first}, replay rollback", drafts[first], "replay", None),
         (f"{first}, k = 3", drafts[first], "snapshot", 3),
     ]
-    print(f"load average {os.getloadavg()[0]:.2f}; {args.max_tokens} new tokens per request, greedy")
+    engines = {name: new_engine(model, draft, rollback, k, args.compile) for name, draft, rollback, k in configs}
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for engine in engines.values():  # the compiled step's graphs are built here, outside the timings
+        generate(engine, prompts[:2], warm)
+    step = "compiled" if next(iter(engines.values())).runner.compiled is not None else "eager"
+    print(f"load average {os.getloadavg()[0]:.2f}; {args.max_tokens} new tokens per request, greedy, {step} step")
     print("| draft | batch | tokens/s | × none | tokens/verify step | acceptance per position |")
     print("|---|---|---|---|---|---|")
     for batch, groups in ((1, [[p] for p in prompts[:4]]), (8, [prompts])):
         times = {c[0]: [] for c in configs}
         results = {}
         for _ in range(args.rounds):
-            for name, draft, rollback, k in configs:
-                runs = [generate(model, draft, group, greedy, rollback, k) for group in groups]
+            for name, *_ in configs:
+                runs = [generate(engines[name], group, greedy) for group in groups]
                 times[name].append(sum(r[0] for r in runs))
-                results[name] = ([t for r in runs for t in r[1]], merged([r[2].spec_stats for r in runs]))
+                results[name] = ([t for r in runs for t in r[1]], merged([r[2] for r in runs]))
         ref_tokens = results["none"][0]
         n_tokens = sum(map(len, groups)) * args.max_tokens
         base = n_tokens / statistics.median(times["none"])
@@ -126,8 +144,8 @@ def main() -> None:
     print("\nsampled at temperature 1, batch 8 (acceptance only)")
     print("| draft | tokens/verify step | acceptance per position |")
     print("|---|---|---|")
-    for name, draft in drafts.items():
-        stats = generate(model, draft, prompts, sampled)[2].spec_stats
+    for name in drafts:
+        stats = generate(engines[name], prompts, sampled)[2]
         print(f"| {name} | {stats.tokens_per_step:.2f} | {' '.join(f'{a:.2f}' for a in stats.acceptance_at())} |")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 

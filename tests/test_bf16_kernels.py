@@ -15,7 +15,7 @@ from k3.ops.kda import cpu_kernel
 from k3.serve.layout import PageLayout
 from k3.serve.paged_cache import PagedMLALatents
 from k3.serve.pool import PagePool
-from tiny_models import tiny_model
+from tiny_models import PoolRows, tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_library.load(), reason="k3's C++ library did not build here")
 BF16 = torch.bfloat16
@@ -107,37 +107,19 @@ def test_kda_conv_recurrent_step(monkeypatch):
     C, w = 3 * H * K, config.short_conv_kernel_size
     rows = torch.tensor([4, 0, 6])
 
-    class Rows:  # the decoding protocol over a pool's rows (k3.serve.kda_state.PagedKDAState's)
-        def __init__(self, states, convs):
-            self.states, self.convs = states, convs
-
-        def decode_rows(self):
-            return self.states, self.convs, rows
-
-        @property
-        def conv(self):
-            return self.convs[rows]
-
-        @conv.setter
-        def conv(self, value):
-            self.convs[rows] = value.to(self.convs.dtype)
-
-        def update_state(self, step):
-            return step(self.states, rows)
-
     states = torch.randn(P, H, K, K)
     convs = torch.randn(P, C, w - 1).to(BF16)
     qkv = torch.randn(B, 1, C).to(BF16)
     g_raw, beta_raw = torch.randn(B, 1, H, K).to(BF16), torch.randn(B, 1, H).to(BF16)
     assert cpu_kernel.conv_step_usable(qkv, states, convs)
     with torch.no_grad():
-        fast = Rows(states.clone(), convs.clone())
+        fast = PoolRows(states.clone(), convs.clone(), rows)
         got = layer.mix(qkv, g_raw, beta_raw, fast)
-        slow = Rows(states.clone(), convs.clone())
+        slow = PoolRows(states.clone(), convs.clone(), rows)
         monkeypatch.setattr(cpu_kernel, "conv_step_usable", lambda *a: False)
         monkeypatch.setattr(cpu_kernel, "step_usable", lambda *a: False)
         torch_path = layer.mix(qkv, g_raw, beta_raw, slow)
-        exact_rows = Rows(states.double(), convs.double())
+        exact_rows = PoolRows(states.double(), convs.double(), rows)
         layer.double()
         exact = layer.mix(qkv.double(), g_raw.double(), beta_raw.double(), exact_rows)
     assert got.dtype == BF16 and fast.states.dtype == torch.float32

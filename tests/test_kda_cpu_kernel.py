@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from k3.ops import cpu_library
 from k3.ops.kda import chunk_kda, cpu_kernel, fused_recurrent_kda, naive_recurrent_kda
 from k3.ops.kda.chunk import chunk_kda_bwd, chunk_kda_fwd
+from tiny_models import PoolRows
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
 
@@ -321,33 +322,15 @@ def test_a_kda_layers_decoding_step_on_the_kernel_equals_its_reference(monkeypat
     C, w = 2 * H * K + H * K, config.short_conv_kernel_size
     rows = torch.tensor([4, 0, 6])
 
-    class Rows:  # the decoding protocol over a pool's rows (k3.serve.kda_state.PagedKDAState's)
-        def __init__(self, states, convs):
-            self.states, self.convs = states, convs
-
-        def decode_rows(self):
-            return self.states, self.convs, rows
-
-        @property
-        def conv(self):
-            return self.convs[rows]
-
-        @conv.setter
-        def conv(self, value):
-            self.convs[rows] = value
-
-        def update_state(self, step):
-            return step(self.states, rows)
-
     states = torch.randn(P, H, K, K, dtype=torch.float64)
     convs = torch.randn(P, C, w - 1, dtype=torch.float64)
     qkv = torch.randn(B, 1, C, dtype=torch.float64)
     g_raw, beta_raw = torch.randn(B, 1, H, K, dtype=torch.float64), torch.randn(B, 1, H, dtype=torch.float64)
     assert cpu_kernel.conv_step_usable(qkv, states, convs)
     with torch.no_grad():
-        fast = Rows(states.clone(), convs.clone())
+        fast = PoolRows(states.clone(), convs.clone(), rows)
         got = layer.mix(qkv, g_raw, beta_raw, fast)
-        slow = Rows(states.clone(), convs.clone())
+        slow = PoolRows(states.clone(), convs.clone(), rows)
         monkeypatch.setattr(cpu_kernel, "conv_step_usable", lambda *a: False)
         monkeypatch.setattr(cpu_kernel, "step_usable", lambda *a: False)
         want = layer.mix(qkv, g_raw, beta_raw, slow)

@@ -1,4 +1,4 @@
-"""The tiny K3 model the model, runner, prefix-cache and engine tests share."""
+"""The tiny K3 model the model, runner, prefix-cache and engine tests share, and a pool-rows KDA cache."""
 
 import torch
 
@@ -28,3 +28,25 @@ def loss_and_grads(model: K3Model, seed: int = 0) -> tuple[torch.Tensor, dict[st
     loss = model.train()(ids, labels=ids).loss
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+class PoolRows:
+    """A KDA layer's decoding cache over rows of a pool (the protocol k3.serve.kda_state.PagedKDAState keeps):
+    states (P, H, K, V) and conv tails (P, C, w − 1), of which the rows `rows` are the batch's."""
+
+    def __init__(self, states: torch.Tensor, convs: torch.Tensor, rows: torch.Tensor):
+        self.states, self.convs, self.rows = states, convs, rows
+
+    def decode_rows(self):
+        return self.states, self.convs, self.rows
+
+    @property
+    def conv(self):
+        return self.convs[self.rows]
+
+    @conv.setter
+    def conv(self, value):
+        self.convs[self.rows] = value.to(self.convs.dtype)
+
+    def update_state(self, step):
+        return step(self.states, self.rows)

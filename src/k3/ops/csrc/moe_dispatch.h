@@ -17,16 +17,9 @@
 #include <utility>
 #include <vector>
 
-namespace k3_moe {
+#include "blas.h"
 
-extern "C" {  // Fortran BLAS (MKL in torch's x86 wheels), as chunk_kda_cpu.cpp
-void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const float* alpha,
-            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
-            const int* ldc);
-void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k, const double* alpha,
-            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
-            const int* ldc);
-}
+namespace k3_moe {
 
 #if defined(__AVX512BF16__)
 constexpr int64_t BF16_DIRECT_ROWS = 16;
@@ -59,8 +52,6 @@ inline void matmul_bt_bf16_rows(int64_t m, int64_t n, int64_t k, const at::BFloa
 // a few rows on a CPU with AVX512-BF16 through matmul_bt_bf16_rows.
 template <typename T>
 inline void matmul_bt(int64_t m, int64_t n, int64_t k, const T* A, const T* B, T* C) {
-  const char ta = 'T', tb = 'N';
-  const int im = static_cast<int>(n), in = static_cast<int>(m), ik = static_cast<int>(k);
   if constexpr (std::is_same_v<T, at::BFloat16>) {
 #if defined(__AVX512BF16__)
     if (m <= BF16_DIRECT_ROWS) return matmul_bt_bf16_rows(m, n, k, A, B, C);
@@ -68,12 +59,8 @@ inline void matmul_bt(int64_t m, int64_t n, int64_t k, const T* A, const T* B, T
     const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
     at::Tensor c = at::from_blob(C, {m, n}, bf16);
     at::mm_out(c, at::from_blob(const_cast<T*>(A), {m, k}, bf16), at::from_blob(const_cast<T*>(B), {n, k}, bf16).t());
-  } else if constexpr (std::is_same_v<T, float>) {
-    const T one = 1, zero = 0;
-    sgemm_(&ta, &tb, &im, &in, &ik, &one, B, &ik, A, &ik, &zero, C, &im);
   } else {
-    const T one = 1, zero = 0;
-    dgemm_(&ta, &tb, &im, &in, &ik, &one, B, &ik, A, &ik, &zero, C, &im);
+    k3_blas::mm<T>(false, true, m, n, k, T(1), A, k, B, k, T(0), C, n);
   }
 }
 
