@@ -97,23 +97,25 @@ def test_packed_experts_compiled_equal_eager(quantization):
 
 
 def test_speculative_decoding_through_the_compiled_step(model):
-    """Verification steps (proposal rows, rolled back afterwards) and the draft's block summaries come from the
-    compiled graph: the greedy tokens equal the eager engine's with the same draft, and plain decoding's."""
+    """Verification steps (proposal rows, rolled back afterwards, by snapshot and by replay) and the draft's block
+    summaries come from the compiled graph: the greedy tokens equal the eager engine's with the same draft, and
+    plain decoding's."""
     from k3.spec.draft import DraftModel
 
     ps = prompts(3, 4)
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     draft = DraftModel(model.config).double()
     results = []
-    for compile, spec in ((False, False), (False, True), (True, True)):
-        config = EngineConfig(num_pages=400, compile=compile, num_speculative_tokens=3)
+    runs = [(False, False, "snapshot"), (False, True, "snapshot"), (True, True, "snapshot"), (True, True, "replay")]
+    for compile, spec, rollback in runs:
+        config = EngineConfig(num_pages=400, compile=compile, num_speculative_tokens=3, spec_rollback=rollback)
         eng = LLMEngine(model, TOK, config, draft=draft if spec else None)
         results.append([tokens for tokens, _ in run(eng, ps, params)])
         if spec:
-            assert eng.spec_stats.proposed > 0
+            assert eng.spec_stats.proposed > eng.spec_stats.accepted  # rejections: rows were rolled back
         if compile:
             assert eng.runner.compiled is not None and eng.runner.compiled._seen == {(1, 2, 3)}
-    assert results[2] == results[1] == results[0]
+    assert results[3] == results[2] == results[1] == results[0]
 
 
 @pytest.mark.parametrize("kernel", [True, False])

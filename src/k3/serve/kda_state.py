@@ -114,7 +114,9 @@ class PagedKDAState:
         if self.rollback_mode is None:
             return mix(*parts, self)
         if self.rollback_mode == "replay":
-            self.kept = dict(mix=mix, parts=parts, state=self.state, conv=self.conv)
+            # copies: inside a compiled step the parts are the graph's buffers, reused once the mixing returns
+            kept = tuple(x.clone() for x in parts)
+            self.kept = dict(mix=mix, parts=kept, state=self.state, conv=self.conv)
             return mix(*parts, self)
         states, convs, outs = [], [], []
         for t in range(parts[0].shape[1]):
