@@ -68,7 +68,7 @@ def _generate(args: argparse.Namespace, mid_line: list[bool]) -> int:
             compile=args.compile,
             dtype=args.dtype,
         )
-        if args.dtype == "auto" or args.verbose:
+        if args.dtype == "auto":
             print(f"k3 generate: dtype {llm.dtype_choice}", file=sys.stderr)
         request = image_prompt(llm, pictures, prompt) if pictures else prompt  # token ids with the images
         if args.verbose:
