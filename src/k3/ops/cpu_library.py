@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 _OPS = Path(__file__).parent
-HEADERS = [_OPS / "csrc" / "moe_dispatch.h", _OPS / "csrc" / "blas.h"]  # included by the sources: part of the build's key
+# included by the sources, so part of the build's key
+HEADERS = [_OPS / "csrc" / "moe_dispatch.h", _OPS / "csrc" / "blas.h"]
 SOURCES = [
     _OPS / "kda" / "csrc" / "chunk_kda_cpu.cpp",  # k3_kda::chunk_fwd, k3_kda::chunk_bwd
     _OPS / "kda" / "csrc" / "recurrent_kda_cpu.cpp",  # k3_kda::recurrent_step
