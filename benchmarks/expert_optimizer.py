@@ -10,6 +10,10 @@ The alternatives (k3.train.optim: `k3 train --expert-optimizer`, `--expert-ns-st
     (b) muon-active   no Newton–Schulz call for an expert without gradient this step (momentum and weight decay)
     (c) muon, 3 NS    3 Newton–Schulz steps for the expert matrices instead of 5
     (d) adamw         AdamW (with weight decay) for the routed experts
+    (e) muon, bf16    (a) with every Newton–Schulz iteration in bf16 (`k3 train --muon-dtype bfloat16`; not only
+                      the experts': each Muon matrix)
+
+--only a,e runs a subset ((a) is always the reference).
 
 Each alternative trains its own small-preset model from the same initialisation (--seed) on the same batches
 (the standard library through k3's own pipeline: corpus split, BPE tokenizer, packing; the packed training
@@ -41,24 +45,30 @@ from k3.train.data import PackedSequences, cached_pack
 from k3.train.optim import build_optimizer, lr_at, routed_expert_weights, set_lr_factor
 from k3.train.trainer import prepare_tokenizer
 
-ALTERNATIVES = [  # (label, expert_optimizer, expert_ns_steps)
-    ("(a) muon", "muon", 5),
-    ("(b) muon-active", "muon-active", 5),
-    ("(c) muon, 3 NS steps", "muon", 3),
-    ("(d) adamw", "adamw", 5),
+ALTERNATIVES = [  # (label, expert_optimizer, expert_ns_steps, ns_dtype: the dtype of every Newton–Schulz call)
+    ("(a) muon", "muon", 5, "float32"),
+    ("(b) muon-active", "muon-active", 5, "float32"),
+    ("(c) muon, 3 NS steps", "muon", 3, "float32"),
+    ("(d) adamw", "adamw", 5, "float32"),
+    ("(e) muon, NS in bf16", "muon", 5, "bfloat16"),
 ]
 
 
 class Run:
     """One alternative: its model, balancer and optimiser, and what its steps measured."""
 
-    def __init__(self, label: str, expert_optimizer: str, ns_steps: int, config: K3Config, args):
+    def __init__(self, label: str, expert_optimizer: str, ns_steps: int, ns_dtype: str, config: K3Config, args):
         self.label = label
         torch.manual_seed(args.seed)
         self.model = K3Model(config).train()
         self.balancer = QuantileBalancer(self.model)
         self.optimizer = build_optimizer(
-            self.model, lr=args.lr, weight_decay=0.1, expert_optimizer=expert_optimizer, expert_ns_steps=ns_steps
+            self.model,
+            lr=args.lr,
+            weight_decay=0.1,
+            expert_optimizer=expert_optimizer,
+            expert_ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
         )
         params = dict(self.model.named_parameters())
         self.experts = [params[n] for n in sorted(routed_expert_weights(self.model))]
@@ -92,7 +102,7 @@ class Run:
         return loss
 
 
-def optimizer_only(rounds: int) -> None:
+def optimizer_only(rounds: int, alternatives: list[tuple]) -> None:
     torch.manual_seed(0)
     model = K3Model(K3Config.from_preset("small"))
     experts = routed_expert_weights(model)
@@ -102,7 +112,10 @@ def optimizer_only(rounds: int) -> None:
             index = name.split(".experts.")[-1].split(".")[0]
             if active_experts is not None and name in experts and int(index) >= active_experts:
                 p.grad = None
-        opts = {lab: build_optimizer(model, expert_optimizer=o, expert_ns_steps=ns) for lab, o, ns in ALTERNATIVES}
+        opts = {
+            lab: build_optimizer(model, expert_optimizer=o, expert_ns_steps=ns, ns_dtype=dt)
+            for lab, o, ns, dt in alternatives
+        }
         times: dict[str, list[float]] = {lab: [] for lab in opts}
         labels = list(opts)
         for r in range(rounds + 1):
@@ -132,10 +145,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--optimizer-only", action="store_true", help="time the optimiser step alone (no training)")
     p.add_argument("--rounds", type=int, default=8, help="rounds of --optimizer-only (default 8)")
+    p.add_argument("--only", default="a,b,c,d,e", help="the alternatives to run, by letter (default: all)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    letters = set(args.only.split(",")) | {"a"}
+    alternatives = [alt for alt in ALTERNATIVES if alt[0][1] in letters]
     if args.optimizer_only:
-        optimizer_only(args.rounds)
+        optimizer_only(args.rounds, alternatives)
         return
     load_before = os.getloadavg()
 
@@ -149,7 +165,7 @@ def main() -> None:
     val = PackedSequences(cached_pack(cache / "val_tokens.npy", val_docs, tokenizer), args.seq_len, 0)
     val_batches = val.fixed_batches(args.val_batches, args.batch_size)
     config = K3Config.from_preset("small", vocab_size=tokenizer.vocab_size)
-    runs = [Run(label, opt, ns, config, args) for label, opt, ns in ALTERNATIVES]
+    runs = [Run(label, opt, ns, dt, config, args) for label, opt, ns, dt in alternatives]
     print(
         f"small preset, {args.steps} steps of {args.batch_size} × {args.seq_len} tokens, seed {args.seed}, "
         f"lr {args.lr} (warmup {args.warmup}, cosine to 0.1), {torch.get_num_threads()} threads; training stream "

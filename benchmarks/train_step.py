@@ -116,6 +116,13 @@ def main() -> None:
         help="the chunked KDA op on the CPU: the C++ kernel (default) or the PyTorch reference "
         "(K3_KDA_CPU_KERNEL=off); one K3 row for each",
     )
+    p.add_argument(
+        "--k3-muon-dtype",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "bfloat16"],
+        help="the dtype of K3's Newton-Schulz iterations (k3 train --muon-dtype); one K3 row for each",
+    )
     p.add_argument("--markdown", action="store_true")
     p.add_argument(
         "--gates",
@@ -158,22 +165,28 @@ def main() -> None:
     for bs in args.batch_size:
         batch = torch.randint(0, config.vocab_size, (bs, args.seq_len))
         tokens = batch.numel()
-        k3_runs = {(algo, kda): [] for algo in args.k3_expert_optimizer for kda in args.kda}
+        k3_runs = {
+            (algo, kda, ns): [] for algo in args.k3_expert_optimizer for kda in args.kda for ns in args.k3_muon_dtype
+        }
         llama_runs = []
         for r in range(args.rounds):  # alternate so drift on a shared machine hits every row alike
-            for (algo, kda), runs in k3_runs.items():
+            for (algo, kda, ns), runs in k3_runs.items():
                 os.environ[cpu_kernel.ENV_VAR] = "off" if kda == "reference" else "auto"
-                runs.append(bench(k3_model, batch, args.steps, QuantileBalancer(k3_model), expert_optimizer=algo))
+                balancer = QuantileBalancer(k3_model)
+                runs.append(bench(k3_model, batch, args.steps, balancer, expert_optimizer=algo, ns_dtype=ns))
             os.environ.pop(cpu_kernel.ENV_VAR)
             llama_runs.append(bench(llama, batch, args.steps))
-            k3_rates = ", ".join(f"K3 ({a}, KDA {kda}) {tokens / rs[-1][0]:.0f}" for (a, kda), rs in k3_runs.items())
+            k3_rates = ", ".join(
+                f"K3 ({a}, KDA {kda}, NS {ns}) {tokens / rs[-1][0]:.0f}" for (a, kda, ns), rs in k3_runs.items()
+            )
             print(f"batch {bs}, round {r + 1}: {k3_rates}, Llama {tokens / llama_runs[-1][0]:.0f} tok/s", flush=True)
         ll_step, ll_opt = (statistics.median(x[i] for x in llama_runs) for i in (0, 1))
         rows = []
-        for (algo, kda), runs in k3_runs.items():
+        for (algo, kda, ns), runs in k3_runs.items():
             step, opt = (statistics.median(x[i] for x in runs) for i in (0, 1))
             name = "K3 small" + ("" if algo == "muon" else f", experts {algo}")
             name += "" if kda == "kernel" else ", KDA reference"
+            name += "" if ns == "float32" else f", Newton-Schulz in {ns}"
             rows.append((name, report["active"], k3_flops, step, opt, f"{ll_step / step:.2f}×"))
         rows.append(("Llama (HF transformers)", llama_params, llama_flops, ll_step, ll_opt, ""))
         for name, params, flops, step, opt, ratio in rows:

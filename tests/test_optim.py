@@ -16,6 +16,7 @@ from k3.train.optim import (
     ParamGroupError,
     build_optimizer,
     check_groups,
+    hyperparameters_kept,
     lr_at,
     param_groups,
     set_lr_factor,
@@ -87,6 +88,45 @@ def test_newton_schulz_batched_and_dtypes():
             torch.testing.assert_close(batched[i, j], newton_schulz(G[i, j]), rtol=1e-5, atol=1e-6)
     assert newton_schulz(G.bfloat16()).dtype == torch.bfloat16
     assert newton_schulz(G.double()).dtype == torch.float64
+
+
+@pytest.mark.parametrize("shape", WIDE_AND_TALL)
+def test_newton_schulz_in_bfloat16_stays_in_the_band(shape):
+    """Iterations in bf16 (Muon's reference does this): the fp32 band of singular values widened by bf16's
+    rounding over the iterations (±0.02), and within a few percent of the fp32 result; the result comes back
+    in G's dtype."""
+    for seed in range(3):
+        G = randn(*shape, seed=seed)
+        out = newton_schulz(G, dtype=torch.bfloat16)
+        assert out.dtype == torch.float32 and out.shape == G.shape
+        S = torch.linalg.svdvals(out)
+        assert BAND[0] - 0.02 < S.min() and S.max() < BAND[1] + 0.02, (shape, S.min().item(), S.max().item())
+        fp32 = newton_schulz(G)
+        assert ((out - fp32).norm() / fp32.norm()) < 0.06
+    G = randn(20, 30, dtype=torch.float64)
+    assert torch.equal(newton_schulz(G, dtype=torch.bfloat16), newton_schulz(G))  # fp64 stays fp64
+
+
+def test_muon_ns_dtype_group_key():
+    """ns_dtype "bfloat16" gives nearly the fp32 step; a bad name is refused; a state_dict from before the key
+    existed loads with the default, and hyperparameters_kept keeps the value the flags give now."""
+    w, g = randn(24, 40, seed=1), randn(24, 40, seed=2)
+    fp32, bf16 = one_step(w, g), one_step(w, g, ns_dtype="bfloat16")
+    step32, step16 = (w - fp32).flatten(), (w - bf16).flatten()
+    assert torch.nn.functional.cosine_similarity(step32, step16, dim=0) > 0.999
+    assert not torch.equal(fp32, bf16)
+    with pytest.raises(ValueError, match="ns_dtype must be one of float32, bfloat16, got 'fp8'"):
+        one_step(w, g, ns_dtype="fp8")
+    p = nn.Parameter(w.clone())
+    old = MuonAdamW([dict(params=[p], algo="muon")]).state_dict()
+    del old["param_groups"][0]["ns_dtype"]
+    opt = MuonAdamW([dict(params=[p], algo="muon", ns_dtype="bfloat16")])
+    with hyperparameters_kept(opt):
+        opt.load_state_dict(old)
+    assert opt.param_groups[0]["ns_dtype"] == "bfloat16"
+    fresh = MuonAdamW([dict(params=[p], algo="muon")])
+    fresh.load_state_dict(old)
+    assert fresh.param_groups[0]["ns_dtype"] == "float32"
 
 
 def one_step(weight: torch.Tensor, grad: torch.Tensor, **group) -> torch.Tensor:

@@ -327,3 +327,32 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_says_so(tmp_path
     assert "loading the older step_00000002 (step 2) because" in out and "step_00000004/meta.json: a JSON list" in out
     assert "resumed from" in out and "at step 2" in out
     assert losses(run) == unbroken  # steps 3 and 4 redone, bitwise
+
+
+def test_muon_dtype_is_recorded_and_auto_follows_the_machine(tmp_path, corpus, monkeypatch):
+    """--muon-dtype bfloat16 runs Newton-Schulz in bf16 (the optimiser's Muon groups say so, run.json records the
+    flag); auto asks k3.ops.compute_dtype and logs the choice; resuming keeps the groups' value."""
+    import torch
+
+    from k3.ops.compute_dtype import DtypeChoice
+    from k3.train.trainer import TrainArgs, Trainer
+
+    def args(out: Path, **kw) -> TrainArgs:
+        base = dict(preset="tiny", steps=2, batch_size=2, seq_len=16, vocab_size=300, eval_every=100)
+        return TrainArgs(out=str(out), eval_batches=1, warmup=1, data=str(corpus), progress=False, **{**base, **kw})
+
+    run = tmp_path / "bf16"
+    trainer = Trainer(args(run, muon_dtype="bfloat16"), log=lambda *a: None)
+    trainer.train()
+    muon_groups = [g for g in trainer.optimizer.param_groups if g["algo"] == "muon"]
+    assert muon_groups and all(g["ns_dtype"] == "bfloat16" for g in muon_groups)
+    assert json.loads((run / "run.json").read_text())["flags"]["muon_dtype"] == "bfloat16"
+    resumed = Trainer(args(run, muon_dtype="bfloat16", resume=True, steps=3), log=lambda *a: None)
+    assert all(g["ns_dtype"] == "bfloat16" for g in resumed.optimizer.param_groups if g["algo"] == "muon")
+
+    fast = DtypeChoice(torch.bfloat16, "auto: measured here")
+    monkeypatch.setattr("k3.train.trainer.resolve_dtype", lambda value, device="cpu": fast)
+    logged = []
+    auto = Trainer(args(tmp_path / "auto", muon_dtype="auto"), log=logged.append)
+    assert all(g["ns_dtype"] == "bfloat16" for g in auto.optimizer.param_groups if g["algo"] == "muon")
+    assert "--muon-dtype auto: Newton-Schulz in bfloat16 (auto: measured here)" in logged

@@ -46,17 +46,25 @@ NS_BATCH_ELEMENTS = {"cpu": 2**19}
 NS_BATCH_ELEMENTS_DEFAULT = 2**24
 
 
-def newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+# The iterations' compute dtype, by name (a group's `ns_dtype`, JSON-able). bfloat16 is what Jordan et al.'s Muon
+# runs them in: the iteration is a contraction towards the orthogonal factor and lands σ in [0.68, 1.13] either way,
+# and bf16 matmuls run 2.7× (AVX512-BF16) to 5-7× (AMX) fp32's rate where the CPU has them (k3.ops.compute_dtype).
+NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Approximately orthogonalise the last two dims: G = U·Σ·Vᵀ ↦ U·p(Σ)·Vᵀ with p(σ) ≈ 1.
 
     G: (..., m, n), any leading (batch) dims; each matrix is normalised and orthogonalised separately.
     Iterates X ← a·X + (b·A + c·A²)·X with A = X·Xᵀ, i.e. σ ← aσ + bσ³ + cσ⁵ on every singular value,
-    starting from X = G / (‖G‖_F + 1e-7) so that all σ ≤ 1. Computed in fp32 (fp64 stays fp64);
-    returned in G's dtype.
+    starting from X = G / (‖G‖_F + 1e-7) so that all σ ≤ 1. The norm is taken in fp32, the iterations run in
+    `dtype` (fp32 or bf16; fp64 input stays fp64 throughout); returned in G's dtype.
     """
     a, b, c = NS_COEFFS
     X = G if G.dtype == torch.float64 else G.float()
     X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)
+    if X.dtype == torch.float32 and dtype != torch.float32:
+        X = X.to(dtype)
     tall = X.shape[-2] > X.shape[-1]
     if tall:  # work on the wide side so A = X·Xᵀ is the smaller Gram matrix
         X = X.mT
@@ -72,22 +80,24 @@ def newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return X.to(G.dtype)
 
 
-def muon_update(direction: torch.Tensor, heads: int = 1, ns_steps: int = 5) -> torch.Tensor:
+def muon_update(direction: torch.Tensor, heads: int = 1, ns_steps: int = 5, ns_dtype: str = "float32") -> torch.Tensor:
     """The scaled orthogonal update for (..., heads·r, cols) directions: per head block when heads > 1.
 
-    returns (..., heads·r, cols): NewtonSchulz of each (r, cols) block times 0.2·√max(r, cols).
+    returns (..., heads·r, cols): NewtonSchulz of each (r, cols) block (iterations in ns_dtype) times
+    0.2·√max(r, cols).
     """
     *lead, rows, cols = direction.shape
     blocks = direction.reshape(*lead, heads, rows // heads, cols)  # (..., H, r, cols)
     scale = 0.2 * math.sqrt(max(rows // heads, cols))
-    return (newton_schulz(blocks, ns_steps) * scale).reshape(direction.shape)
+    return (newton_schulz(blocks, ns_steps, NS_DTYPES[ns_dtype]) * scale).reshape(direction.shape)
 
 
 class MuonAdamW(torch.optim.Optimizer):
     """One optimiser, two kinds of parameter group, told apart by `group["algo"]`:
 
     - "muon": 2-D weights; keys lr, weight_decay, momentum (0.95), ns_steps (5), heads (1 = whole matrix),
-      skip_idle (False; True: a weight without gradient this step only decays, see the module docstring).
+      skip_idle (False; True: a weight without gradient this step only decays, see the module docstring),
+      ns_dtype ("float32"; "bfloat16": the Newton–Schulz iterations in bf16, NS_DTYPES).
     - "adamw": anything; keys lr, weight_decay, betas ((0.9, 0.95)), eps (1e-8). Standard AdamW:
       m ← β₁m + (1−β₁)g, v ← β₂v + (1−β₂)g², p ← p·(1 − lr·wd) − lr·(m/(1−β₁ᵗ)) / (√(v/(1−β₂ᵗ)) + ε).
 
@@ -104,11 +114,12 @@ class MuonAdamW(torch.optim.Optimizer):
         ns_steps: int = 5,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
+        ns_dtype: str = "float32",
     ):
         # Each algorithm's own keys; only lr and weight_decay are shared torch `defaults`, because the
         # base class copies every default into every group (a Muon group would carry betas).
         self.algo_defaults = {
-            "muon": dict(momentum=momentum, ns_steps=ns_steps, heads=1, skip_idle=False),
+            "muon": dict(momentum=momentum, ns_steps=ns_steps, heads=1, skip_idle=False, ns_dtype=ns_dtype),
             "adamw": dict(betas=tuple(betas), eps=eps),
         }
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
@@ -127,6 +138,9 @@ class MuonAdamW(torch.optim.Optimizer):
         params = group["params"]
         group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
         if algo == "muon":
+            if group["ns_dtype"] not in NS_DTYPES:
+                names = ", ".join(NS_DTYPES)
+                raise ValueError(f"a Muon group's ns_dtype must be one of {names}, got {group['ns_dtype']!r}")
             heads = group["heads"]
             if not isinstance(heads, int) or heads < 1:
                 raise ValueError(f"a Muon group's heads must be a positive int, got {heads!r}")
@@ -198,7 +212,8 @@ class MuonAdamW(torch.optim.Optimizer):
             per_call = max(1, limit // shape.numel())
             for start in range(0, len(indices), per_call):
                 chunk = indices[start : start + per_call]
-                updates = muon_update(torch.stack([directions[i] for i in chunk]), group["heads"], group["ns_steps"])
+                stacked = torch.stack([directions[i] for i in chunk])
+                updates = muon_update(stacked, group["heads"], group["ns_steps"], group["ns_dtype"])
                 for i, update in zip(chunk, updates, strict=True):
                     p = params[i]
                     if sharded[i]:  # this rank's rows of the full update

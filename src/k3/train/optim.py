@@ -188,18 +188,27 @@ def build_optimizer(
     ns_steps: int = 5,
     expert_optimizer: str = "muon",
     expert_ns_steps: int | None = None,
+    ns_dtype: str = "float32",
 ) -> MuonAdamW:
     """One MuonAdamW over the whole model. One lr serves both kinds: Muon's updates are RMS-matched to AdamW's.
 
     expert_optimizer: "muon", "muon-active" or "adamw" for the routed experts (module docstring);
-    expert_ns_steps: their Newton–Schulz steps under Muon (None: ns_steps)."""
+    expert_ns_steps: their Newton–Schulz steps under Muon (None: ns_steps); ns_dtype: the Newton–Schulz
+    iterations' dtype ("float32" or "bfloat16", k3.train.muon.NS_DTYPES)."""
     if expert_ns_steps is not None and expert_ns_steps < 1:
         raise ValueError(f"expert_ns_steps must be at least 1, got {expert_ns_steps}")
     if expert_ns_steps == ns_steps:
         expert_ns_steps = None  # the experts need no group of their own for it
     groups = param_groups(model, lr, weight_decay, expert_optimizer, expert_ns_steps)
     return MuonAdamW(
-        groups, lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps, betas=betas, eps=eps
+        groups,
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        ns_steps=ns_steps,
+        betas=betas,
+        eps=eps,
+        ns_dtype=ns_dtype,
     )
 
 
@@ -242,13 +251,15 @@ def lr_at(
 
 @contextlib.contextmanager
 def hyperparameters_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Loading a checkpoint's optimiser state inside this keeps each group's base_lr and weight_decay as they
-    are: the saved groups carry the run's, and the flags given now are the ones that count (equal unless
-    --override accepted new values)."""
-    fresh = [(g["base_lr"], g["weight_decay"]) for g in optimizer.param_groups]
+    """Loading a checkpoint's optimiser state inside this keeps each group's base_lr, weight_decay and (Muon)
+    ns_dtype as they are: the saved groups carry the run's, and the flags given now are the ones that count
+    (equal unless --override accepted new values)."""
+    fresh = [(g["base_lr"], g["weight_decay"], g.get("ns_dtype")) for g in optimizer.param_groups]
     yield
-    for group, (lr, weight_decay) in zip(optimizer.param_groups, fresh, strict=True):
+    for group, (lr, weight_decay, ns_dtype) in zip(optimizer.param_groups, fresh, strict=True):
         group["base_lr"], group["weight_decay"] = lr, weight_decay
+        if ns_dtype is not None:
+            group["ns_dtype"] = ns_dtype
 
 
 def set_lr_factor(optimizer: torch.optim.Optimizer, factor: float) -> None:
