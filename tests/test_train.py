@@ -329,12 +329,10 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint_and_says_so(tmp_path
     assert losses(run) == unbroken  # steps 3 and 4 redone, bitwise
 
 
-def test_muon_dtype_is_recorded_and_auto_follows_the_machine(tmp_path, corpus, monkeypatch):
+def test_muon_dtype_is_recorded_and_kept_on_resume(tmp_path, corpus):
     """--muon-dtype bfloat16 runs Newton-Schulz in bf16 (the optimiser's Muon groups say so, run.json records the
-    flag); auto asks k3.ops.compute_dtype and logs the choice; resuming keeps the groups' value."""
-    import torch
-
-    from k3.ops.compute_dtype import DtypeChoice
+    flag); resuming keeps the groups' value, and another value needs --override."""
+    from k3.formats.run_record import RunMismatchError
     from k3.train.trainer import TrainArgs, Trainer
 
     def args(out: Path, **kw) -> TrainArgs:
@@ -349,10 +347,7 @@ def test_muon_dtype_is_recorded_and_auto_follows_the_machine(tmp_path, corpus, m
     assert json.loads((run / "run.json").read_text())["flags"]["muon_dtype"] == "bfloat16"
     resumed = Trainer(args(run, muon_dtype="bfloat16", resume=True, steps=3), log=lambda *a: None)
     assert all(g["ns_dtype"] == "bfloat16" for g in resumed.optimizer.param_groups if g["algo"] == "muon")
-
-    fast = DtypeChoice(torch.bfloat16, "auto: measured here")
-    monkeypatch.setattr("k3.train.trainer.resolve_dtype", lambda value, device="cpu": fast)
-    logged = []
-    auto = Trainer(args(tmp_path / "auto", muon_dtype="auto"), log=logged.append)
-    assert all(g["ns_dtype"] == "bfloat16" for g in auto.optimizer.param_groups if g["algo"] == "muon")
-    assert "--muon-dtype auto: Newton-Schulz in bfloat16 (auto: measured here)" in logged
+    with pytest.raises(RunMismatchError, match=r"--muon-dtype: the run recorded 'bfloat16', now 'float32'"):
+        Trainer(args(run, resume=True, steps=3), log=lambda *a: None)
+    switched = Trainer(args(run, resume=True, override=True, steps=3), log=lambda *a: None)
+    assert all(g["ns_dtype"] == "float32" for g in switched.optimizer.param_groups if g["algo"] == "muon")
