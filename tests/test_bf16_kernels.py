@@ -15,7 +15,7 @@ from k3.ops.kda import cpu_kernel
 from k3.serve.layout import PageLayout
 from k3.serve.paged_cache import PagedMLALatents
 from k3.serve.pool import PagePool
-from tiny_models import PoolRows, tiny_model
+from tiny_models import PoolRows, kda_step_both_ways, tiny_model
 
 pytestmark = pytest.mark.skipif(not cpu_library.load(), reason="k3's C++ library did not build here")
 BF16 = torch.bfloat16
@@ -112,13 +112,9 @@ def test_kda_conv_recurrent_step(monkeypatch):
     qkv = torch.randn(B, 1, C).to(BF16)
     g_raw, beta_raw = torch.randn(B, 1, H, K).to(BF16), torch.randn(B, 1, H).to(BF16)
     assert cpu_kernel.conv_step_usable(qkv, states, convs)
+    inputs = (qkv, g_raw, beta_raw)
+    (got, fast), (torch_path, slow) = kda_step_both_ways(layer, inputs, states, convs, rows, monkeypatch)
     with torch.no_grad():
-        fast = PoolRows(states.clone(), convs.clone(), rows)
-        got = layer.mix(qkv, g_raw, beta_raw, fast)
-        slow = PoolRows(states.clone(), convs.clone(), rows)
-        monkeypatch.setattr(cpu_kernel, "conv_step_usable", lambda *a: False)
-        monkeypatch.setattr(cpu_kernel, "step_usable", lambda *a: False)
-        torch_path = layer.mix(qkv, g_raw, beta_raw, slow)
         exact_rows = PoolRows(states.double(), convs.double(), rows)
         layer.double()
         exact = layer.mix(qkv.double(), g_raw.double(), beta_raw.double(), exact_rows)

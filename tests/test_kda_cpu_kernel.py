@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from k3.ops import cpu_library
 from k3.ops.kda import chunk_kda, cpu_kernel, fused_recurrent_kda, naive_recurrent_kda
 from k3.ops.kda.chunk import chunk_kda_bwd, chunk_kda_fwd
-from tiny_models import PoolRows
+from tiny_models import kda_step_both_ways
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
 
@@ -327,13 +327,7 @@ def test_a_kda_layers_decoding_step_on_the_kernel_equals_its_reference(monkeypat
     qkv = torch.randn(B, 1, C, dtype=torch.float64)
     g_raw, beta_raw = torch.randn(B, 1, H, K, dtype=torch.float64), torch.randn(B, 1, H, dtype=torch.float64)
     assert cpu_kernel.conv_step_usable(qkv, states, convs)
-    with torch.no_grad():
-        fast = PoolRows(states.clone(), convs.clone(), rows)
-        got = layer.mix(qkv, g_raw, beta_raw, fast)
-        slow = PoolRows(states.clone(), convs.clone(), rows)
-        monkeypatch.setattr(cpu_kernel, "conv_step_usable", lambda *a: False)
-        monkeypatch.setattr(cpu_kernel, "step_usable", lambda *a: False)
-        want = layer.mix(qkv, g_raw, beta_raw, slow)
+    (got, fast), (want, slow) = kda_step_both_ways(layer, (qkv, g_raw, beta_raw), states, convs, rows, monkeypatch)
     close(got, want, 1e-13)
     close(fast.states, slow.states, 1e-13)
     assert torch.equal(fast.convs, slow.convs)  # the tails are shifted, not computed

@@ -50,3 +50,18 @@ class PoolRows:
 
     def update_state(self, step):
         return step(self.states, self.rows)
+
+
+@torch.no_grad()
+def kda_step_both_ways(layer, inputs, states, convs, rows, monkeypatch):
+    """A KDA layer's one-token mixing of inputs = (qkv, g_raw, beta_raw) over pool rows, on the C++ decoding kernel
+    and then (the kernel switched off through monkeypatch) on the PyTorch path, each from copies of the states
+    and tails: ((out, PoolRows) of the kernel, (out, PoolRows) of the PyTorch path)."""
+    from k3.ops.kda import cpu_kernel
+
+    fast = PoolRows(states.clone(), convs.clone(), rows)
+    got = layer.mix(*inputs, fast)
+    slow = PoolRows(states.clone(), convs.clone(), rows)
+    monkeypatch.setattr(cpu_kernel, "conv_step_usable", lambda *a: False)
+    monkeypatch.setattr(cpu_kernel, "step_usable", lambda *a: False)
+    return (got, fast), (layer.mix(*inputs, slow), slow)
