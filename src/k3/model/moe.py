@@ -106,11 +106,10 @@ class LatentMoE(nn.Module):
         return self._handle
 
     def _keep_packed(self) -> None:
-        """Keep the operators' argument lists (gathering 6·E buffers per call cost more than the experts) and
-        hand them to the C++ kernel, which a compiled graph calls with the handle alone."""
-        self._packed = self.packed_buffers() if self.packed_experts() else None
-        if self._packed is not None:
-            moe_cpu.set_packed_experts(self._handle, self._packed)
+        """Hand the packed experts' tensors to the C++ kernel, which a compiled graph calls with the handle alone
+        (gathering 6·E buffers per call cost more than the experts)."""
+        if self.packed_experts():
+            moe_cpu.set_packed_experts(self._handle, self.packed_buffers())
 
     def _apply(self, *args, **kwargs):
         out = super()._apply(*args, **kwargs)
@@ -258,7 +257,7 @@ def moe_experts_mxfp4(
     moe = _layers.get(layer, _gone)()
     if moe is None:
         raise RuntimeError(f"k3::moe_experts_mxfp4: no LatentMoE has handle {layer} (the model is gone)")
-    packed = moe.__dict__.get("_packed") or moe.packed_buffers()
+    packed = moe.packed_buffers()
     if moe_cpu.usable_packed(z_TL):
         return moe_cpu.moe_experts_mxfp4(z_TL, experts_TK, weights_TK, packed, act, beta1, beta2, quantize_inputs)
     p1, s1, p3, s3, p2, s2 = packed
