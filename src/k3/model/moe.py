@@ -16,7 +16,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.norm import RMSNorm
 from k3.model.router import Router, RouterOutput
-from k3.model.situ import Expert, GatedMLP, glu
+from k3.model.situ import Expert, GatedMLP, glu, glu_backward, glu_parts
 from k3.ops import moe_cpu
 from k3.quant.mx import unpack_mxfp4
 from k3.quant.packed_experts import MXFP4Linear
@@ -24,6 +24,10 @@ from k3.quant.qat import INPUT_FORMAT, fake_quantize, quantized_input, quantized
 
 # Above this many hidden activations (assignments × expert width) the experts run one whole chain each.
 MERGE_ELEMENTS = 1 << 18
+# k3::moe_experts runs the C++ kernel up to this many assignments per expert on average (decoding, prefill
+# chunks); at training's batches ATen's per-expert matmuls and vectorised activation were faster (2,048 tokens of
+# the small preset: 25.7 ms against 20.4 ms, 512 tokens: 6.6 against 11.6).
+KERNEL_ROWS_PER_EXPERT = 128
 
 
 class LatentMoE(nn.Module):
@@ -49,13 +53,16 @@ class LatentMoE(nn.Module):
         x_TD = x.reshape(-1, shape[-1])
         routing = self.gate(x_TD)
         z_TL = self.routed_expert_down_proj(x_TD)
-        if torch.compiler.is_compiling() and not torch.is_grad_enabled() and self.plain_experts():
-            # inside a compiled serving step: the experts behind one operator (their row counts decide the shapes
-            # of their matmuls, which a graph cannot): the C++ kernel itself where it loads, with no Python
-            # between the graph and it, else the PyTorch one
-            weights = [[ex.w1.weight for ex in self.experts], [ex.w3.weight for ex in self.experts]]
-            weights.append([ex.w2.weight for ex in self.experts])
-            if moe_cpu.usable(z_TL, weights[0][0]):
+        if torch.compiler.is_compiling() and self.plain_experts():
+            # inside a compiled step: the experts behind one operator (their row counts decide the shapes of their
+            # matmuls, which a graph cannot). Serving calls the C++ kernel itself where it loads, with no Python
+            # between the graph and it; training calls k3::moe_experts, whose backward is its own operator.
+            # under autocast z arrives in the autocast dtype, and an operator's inputs are not cast for it: the
+            # weights are cast here, as F.linear's would be (a no-op otherwise)
+            weights = [[ex.w1.weight.to(z_TL.dtype) for ex in self.experts]]
+            weights.append([ex.w3.weight.to(z_TL.dtype) for ex in self.experts])
+            weights.append([ex.w2.weight.to(z_TL.dtype) for ex in self.experts])
+            if not torch.is_grad_enabled() and moe_cpu.usable(z_TL, weights[0][0]):
                 scores = routing.weights_TK.to(z_TL.dtype)
                 u_TL = torch.ops.k3_cpu.moe_experts(z_TL, routing.experts_TK, scores, *weights, *self.act)
             else:
@@ -207,7 +214,7 @@ def moe_experts(
     of expert e): z_TL (T, L), the routing's experts_TK and weights_TK -> u_TL (T, L). The seam a compiled
     graph calls, since the experts' row counts, read from the routing, decide the shapes of their matmuls.
     On the CPU it runs k3's C++ kernel (k3.ops.moe_cpu) where that loads; this path is its reference."""
-    if moe_cpu.usable(z_TL, w1[0]):
+    if moe_cpu.usable(z_TL, w1[0]) and experts_TK.numel() <= KERNEL_ROWS_PER_EXPERT * len(w1):
         return moe_cpu.moe_experts(z_TL, experts_TK, weights_TK, w1, w3, w2, act, beta1, beta2)
     counts = torch.bincount(experts_TK.flatten(), minlength=len(w1)).tolist()
     active = [e for e, n in enumerate(counts) if n]
@@ -222,6 +229,81 @@ def moe_experts(
 @moe_experts.register_fake
 def _(z_TL, experts_TK, weights_TK, w1, w3, w2, act, beta1, beta2) -> torch.Tensor:
     return torch.empty_like(z_TL)
+
+
+@torch.library.custom_op("k3::moe_experts_backward", mutates_args=())
+def moe_experts_backward(
+    du_TL: torch.Tensor,
+    z_TL: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    w1: list[torch.Tensor],
+    w3: list[torch.Tensor],
+    w2: list[torch.Tensor],
+    act: str,
+    beta1: float,
+    beta2: float,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The gradients of k3::moe_experts given du_TL (T, L): (dz_TL, dweights_TK, dw1, dw3, dw2), each weight's
+    gradient zero for an expert no token chose. Each expert's forward is recomputed from its rows (the routed
+    experts are a few percent of a step's FLOPs; keeping their activations would cost (A, I) per layer), then
+    differentiated by hand, so the operator holds no autograd graph and a compiled training step calls it as
+    one node, like the forward."""
+    K = experts_TK.shape[1]
+    order_A = experts_TK.flatten().argsort(stable=True)
+    tokens_A = order_A // K
+    counts = torch.bincount(experts_TK.flatten(), minlength=len(w1)).tolist()
+    z_AL = z_TL.index_select(0, tokens_A)
+    du_AL = du_TL.index_select(0, tokens_A)
+    weights_A = weights_TK.flatten()[order_A].to(z_TL.dtype)
+    dz_AL = torch.empty_like(z_AL)
+    dweights_A = torch.empty(len(order_A), dtype=z_TL.dtype, device=z_TL.device)
+    grads: list[list[torch.Tensor]] = [[], [], []]
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            for g, w in zip(grads, (w1, w3, w2), strict=True):
+                g.append(torch.zeros_like(w[e]))
+            continue
+        rows = slice(start, start + n)
+        start += n
+        z, du, weight = z_AL[rows], du_AL[rows], weights_A[rows, None]
+        gate, up = z @ w1[e].t(), z @ w3[e].t()  # two products: tanh on a strided half of one costs more
+        h, parts = glu_parts(gate, up, act, beta1, beta2)
+        dh = du @ w2[e]  # the expert output's gradient before the routing weight, through w2
+        dweights_A[rows] = (dh * h).sum(-1)  # ∂u_t/∂w_tk · du_t = Expert(z_t) · du_t = (du_t w2) · h
+        grads[2].append((du * weight).t() @ h)
+        dgate, dup = glu_backward(parts, dh.mul_(weight), act, beta1, beta2)
+        grads[0].append(dgate.t() @ z)
+        grads[1].append(dup.t() @ z)
+        dz_AL[rows] = torch.addmm(dgate @ w1[e], dup, w3[e])
+    dz_TL = torch.zeros_like(z_TL).index_add_(0, tokens_A, dz_AL)
+    dweights_TK = torch.empty_like(dweights_A).index_copy_(0, order_A, dweights_A).view(experts_TK.shape)
+    return dz_TL, dweights_TK.to(weights_TK.dtype), *grads
+
+
+@moe_experts_backward.register_fake
+def _(du_TL, z_TL, experts_TK, weights_TK, w1, w3, w2, act, beta1, beta2):
+    grads = [[torch.empty_like(w) for w in ws] for ws in (w1, w3, w2)]
+    return torch.empty_like(z_TL), torch.empty_like(weights_TK), *grads
+
+
+def _moe_experts_setup(ctx, inputs, output) -> None:
+    z_TL, experts_TK, weights_TK, w1, w3, w2, act, beta1, beta2 = inputs
+    ctx.save_for_backward(z_TL, experts_TK, weights_TK, *w1, *w3, *w2)
+    ctx.act = (act, beta1, beta2)
+
+
+def _moe_experts_grad(ctx, du_TL: torch.Tensor):
+    z_TL, experts_TK, weights_TK, *w = ctx.saved_tensors
+    E = len(w) // 3
+    w1, w3, w2 = w[:E], w[E : 2 * E], w[2 * E :]
+    dz, dweights, dw1, dw3, dw2 = moe_experts_backward(du_TL, z_TL, experts_TK, weights_TK, w1, w3, w2, *ctx.act)
+    return dz, None, dweights, dw1, dw3, dw2, None, None, None
+
+
+# training through the operator: a compiled training step keeps the experts as two nodes, forward and backward
+moe_experts.register_autograd(_moe_experts_grad, setup_context=_moe_experts_setup)
 
 
 # LatentMoE.handle -> the layer, for k3::moe_experts_mxfp4 (weak: the registry keeps no model alive)

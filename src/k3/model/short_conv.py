@@ -85,6 +85,9 @@ class _ShortConvSiLU(torch.autograd.Function):
             prod = pre.view(-1, pre.shape[-1])
             dtaps = taps.new_zeros(taps.shape)
             for s in range(min(w, T)):
+                if torch.compiler.is_compiling():  # Inductor fuses the product into the sum; no out= into a view
+                    dtaps[w - 1 - s] = (g[:, s:] * x[:, : T - s]).sum((0, 1))
+                    continue
                 pre[:, :s].zero_()
                 torch.mul(g[:, s:], x[:, : T - s], out=pre[:, s:])
                 dtaps[w - 1 - s] = prod.sum(0)

@@ -61,19 +61,60 @@ class _SiTU(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         t1, s, t2 = ctx.saved_tensors
         (b1, b2), (g_dtype, u_dtype) = ctx.beta, ctx.dtypes
-        dy = dy.to(t1.dtype)
-        e = torch.addcmul(t1.new_zeros(()), dy, t2, value=b1 * b2)  # β₁β₂·dy·t₂
-        dg = du = None
-        if ctx.needs_input_grad[0]:
-            # t₁(1 − s) + (1 − t₁²)/β₁, in that order: every partial sum stays O(1), so fp32 loses no more
-            # than autograd through the formula does (folding β₁β₂ in first cost two digits)
-            dg = torch.addcmul(t1, t1, s, value=-1).addcmul_(t1, t1, value=-1 / b1).add_(1 / b1)
-            dg = dg.mul_(s).mul_(e).to(g_dtype)
-        if ctx.needs_input_grad[1]:
-            # dy·(1 − t₂²)·t₁·s·β₁, written over e (a fresh (..., I) tensor costs page faults, not only a pass)
-            du = torch.addcmul(dy, e, t2, value=-1 / (b1 * b2), out=e).mul_(t1).mul_(s).mul_(b1)
-            du = du.to(u_dtype)
-        return dg, du, None, None
+        dg, du = _situ_grads(dy, t1, s, t2, b1, b2, *ctx.needs_input_grad[:2])
+        return (dg.to(g_dtype) if dg is not None else None), (du.to(u_dtype) if du is not None else None), None, None
+
+
+def _situ_grads(
+    dy: torch.Tensor,
+    t1: torch.Tensor,
+    s: torch.Tensor,
+    t2: torch.Tensor,
+    b1: float,
+    b2: float,
+    want_g=True,
+    want_u=True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dy·∂y/∂g and dy·∂y/∂u in t₁'s dtype (None where not wanted), from the parts `_situ_parts` returns (only
+    fresh buffers are written: t₁, s and t₂ are left as they are)."""
+    dy = dy.to(t1.dtype)
+    e = torch.addcmul(t1.new_zeros(()), dy, t2, value=b1 * b2)  # β₁β₂·dy·t₂
+    dg = du = None
+    if want_g:
+        # t₁(1 − s) + (1 − t₁²)/β₁, in that order: every partial sum stays O(1), so fp32 loses no more
+        # than autograd through the formula does (folding β₁β₂ in first cost two digits)
+        dg = torch.addcmul(t1, t1, s, value=-1).addcmul_(t1, t1, value=-1 / b1).add_(1 / b1)
+        dg = dg.mul_(s).mul_(e)
+    if want_u:
+        # dy·(1 − t₂²)·t₁·s·β₁, written over e (a fresh (..., I) tensor costs page faults, not only a pass)
+        du = torch.addcmul(dy, e, t2, value=-1 / (b1 * b2), out=e).mul_(t1).mul_(s).mul_(b1)
+    return dg, du
+
+
+def glu_parts(
+    g: torch.Tensor, u: torch.Tensor, act: str, beta1: float, beta2: float
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """`glu(g, u, act, β₁, β₂)` and what `glu_backward` needs, for operators that compute their own backward
+    (k3::moe_experts): SiTU's fp32 t₁, s, t₂ (its two tanh are the dearest element-wise op on a CPU, so they are
+    computed once), or SwiGLU's g and u."""
+    if act != "situ":
+        return F.silu(g) * u, (g, u)
+    y, t1, s, t2 = _situ_parts(at_least_fp32(g), at_least_fp32(u), beta1, beta2)
+    return y.to(g.dtype), (t1, s, t2)
+
+
+def glu_backward(
+    parts: tuple[torch.Tensor, ...], dy: torch.Tensor, act: str, beta1: float, beta2: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dy (..., I) -> (dg, du), the gradients of the glu that `glu_parts` returned `parts` for, in dy's dtype,
+    without autograd."""
+    if act == "situ":
+        dg, du = _situ_grads(dy, *parts, beta1, beta2)
+        return dg.to(dy.dtype), du.to(dy.dtype)
+    g, u = parts
+    sg = torch.sigmoid(g)
+    # silu'(g) = s · (1 + g · (1 − s))
+    return dy * u * sg * (1 + g * (1 - sg)), dy * g * sg
 
 
 def glu(g: torch.Tensor, u: torch.Tensor, act: str, beta1: float, beta2: float) -> torch.Tensor:

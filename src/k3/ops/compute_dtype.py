@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from k3.ops.compile_cache import cache_root
 from k3.ops.cpu_library import cpu_signature
 
 SPEEDUP = 1.5  # bf16 must measure at least this much faster than fp32 to be chosen
@@ -104,7 +105,7 @@ def _cpu_flags() -> set[str] | None:
 
 
 def _cache_file() -> Path:
-    return Path(os.environ.get("K3_CACHE_DIR", Path.home() / ".cache" / "k3")) / "compute_dtype.json"
+    return cache_root() / "compute_dtype.json"
 
 
 @functools.cache

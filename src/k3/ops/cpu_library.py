@@ -12,7 +12,6 @@ read-only home), `load()` is False with the reason, and each caller runs its PyT
 
 import functools
 import hashlib
-import os
 import platform
 import shutil
 import struct
@@ -22,6 +21,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from k3.ops.compile_cache import cache_root
 
 _OPS = Path(__file__).parent
 # included by the sources, so part of the build's key
@@ -37,7 +38,7 @@ NAME = "k3_cpu"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("K3_CACHE_DIR", Path.home() / ".cache" / "k3")) / "kernels"
+    return cache_root() / "kernels"
 
 
 def cpu_signature() -> str:

@@ -21,14 +21,13 @@ convolutions and recurrence, MLA's attention over the pool's pages, the experts.
 
 The packed row's length and the number of sampled positions are unbacked dimensions, so one graph serves every
 step of any mix of prefill pieces, decode rows and proposal rows (a second graph also returns the AttnRes block
-summaries a speculative draft reads). Inductor caches its compiled code on disk (`default_cache_dir`), so a
+summaries a speculative draft reads). Inductor caches its compiled code on disk (k3.ops.compile_cache), so a
 second start of the same model and code skips Inductor's code generation and C++ build; Dynamo still traces.
 """
 
 import contextlib
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +39,7 @@ from torch import nn
 
 from k3.model.cache import GroupedLayerCache
 from k3.model.model import K3Model
+from k3.ops.compile_cache import compiler_missing, use_inductor_cache
 from k3.serve.paged_cache import PackedBatch
 
 log = logging.getLogger("k3.serve")
@@ -111,11 +111,6 @@ class SeamCache:
         self.seq_len = 0
 
 
-def default_cache_dir() -> Path:
-    """Where Inductor keeps compiled code across runs: $K3_CACHE_DIR/inductor (~/.cache/k3/inductor)."""
-    return Path(os.environ.get("K3_CACHE_DIR", Path.home() / ".cache" / "k3")) / "inductor"
-
-
 class CompiledStep:
     """model(token_ids, cache=batch, logits_at=…) for the serving engine, compiled; `__call__` runs one step.
 
@@ -135,9 +130,7 @@ class CompiledStep:
         # packed experts are reached by their layer's handle, given (and their tensors handed over) before tracing
         packed = [moe for moe in model.modules() if hasattr(moe, "packed_experts") and moe.packed_experts()]
         self.handles = [moe.handle for moe in packed]
-        cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+        use_inductor_cache(cache_dir)
         self._compiled = torch.compile(self._forward, fullgraph=True, options={"size_asserts": False})
         self.compile_seconds = 0.0
         self._seen: set[tuple[int, ...]] = set()  # the block summaries asked for: one graph each
@@ -200,9 +193,7 @@ def compile_blocker(model: nn.Module) -> str | None:
             )
         if not moe.plain_experts():
             return "the routed experts are neither nn.Linear nor MXFP4-packed layers"
-    if not any(shutil.which(cxx) for cxx in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
-        return "Inductor needs a C++ compiler (g++ or clang++) to compile for the CPU, and none is on PATH"
-    return None
+    return compiler_missing()
 
 
 def resolve(model: nn.Module, compile: bool | None) -> bool:

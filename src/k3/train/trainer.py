@@ -34,7 +34,10 @@ from k3.formats.run_record import RunRecord
 from k3.formats.tokenizer import K3Tokenizer, train_tokenizer
 from k3.model import K3Model
 from k3.model.quantization import set_expert_quantization
+from k3.ops.compute_dtype import CHOICES as DTYPE_CHOICES
+from k3.ops.compute_dtype import DtypeChoice, resolve_dtype
 from k3.train.balance import BALANCERS, FixedStepBalancer, QuantileBalancer
+from k3.train.compiled import IdleExperts, compile_training, setup_blocker
 from k3.train.corpus import data_entry, domain_spec, fingerprint, load_corpus
 from k3.train.data import PackedSequences, cached_pack
 from k3.train.distributed import DP_MODES, Parallel, kill_point
@@ -80,6 +83,19 @@ class TrainArgs(RunArgs):
         "the dtype of Muon's Newton-Schulz iterations: float32, or bfloat16 (a faster optimiser step where bf16 "
         "matmuls are fast; measured 0.04-0.06 higher validation loss after 150 small-preset steps)",
         choices=tuple(NS_DTYPES),
+    )
+    dtype: str | None = arg(
+        None,
+        "the compute dtype: float32, bfloat16 (autocast: bf16 matmuls; fp32 master weights, optimiser state, "
+        "norms and reductions) or auto (bf16 where this machine's bf16 matmul measures >= 1.5x fp32, or a CUDA "
+        "device supports it) (default: float32 on a CPU, bfloat16 on CUDA)",
+        metavar="{" + ",".join(DTYPE_CHOICES) + "}",
+    )
+    compile: bool = arg(
+        False,
+        "compile the training step with torch.compile (the CPU, one process): the same losses within fp32 "
+        "rounding, a faster step after ~40 s of tracing (~150 s the first time on a machine: Inductor's code is "
+        "cached in $K3_CACHE_DIR/inductor)",
     )
     clip: float = arg(1.0, "gradient-norm clipping threshold")
     eval_every: int = arg(50, "steps between validation-loss evaluations", recorded=False)
@@ -146,6 +162,8 @@ class TrainArgs(RunArgs):
             raise ValueError(f"--min-lr-ratio must be between 0 and 1, got {self.min_lr_ratio}")
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"--val-fraction must be between 0 and 1 (exclusive), got {self.val_fraction}")
+        if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.qat not in EXPERT_QUANTIZATIONS:
             raise ValueError(f"--qat must be mxfp4 (or absent: full precision), got {self.qat!r}")
         if self.stages is not None:
@@ -196,6 +214,8 @@ class Trainer:
         main = parallel.is_main
         self.folder = folder = RunFolder(args, log, main)
         _check_inputs(args)
+        if args.compile and (reason := setup_blocker(self.device, parallel.world_size, args.qat)) is not None:
+            raise ValueError(f"--compile: {reason}")
         if args.batch_size % parallel.world_size:
             raise ValueError(
                 f"--batch-size {args.batch_size} must be a multiple of the number of processes "
@@ -242,6 +262,14 @@ class Trainer:
         if ckpt is not None and parallel.distributed:  # the full weights, before the model is split over ranks
             ckpt.load_model(self.model)
         self.pm = parallelize(self.model, parallel)
+        self.forward = self.pm.forward  # what a training micro-batch runs: the model, its DDP wrapper, or compiled
+        self.idle_experts = None
+        if args.compile:
+            self.forward = compile_training(self.model, parallel.world_size)
+            self.idle_experts = IdleExperts(self.model)
+            log("--compile: the first step traces and compiles the model (~40 s; ~150 s with a cold cache)")
+        if args.dtype is not None or self.compute_dtype.dtype != torch.float32:
+            log(f"compute dtype: {self.compute_dtype}")
         self.optimizer = self._optimizer(args.expert_optimizer, args.expert_ns_steps)
         self.balancer = None
         if args.balancer == "quantile":
@@ -419,10 +447,19 @@ class Trainer:
             f"the algorithm is the same; {fresh} parameters start theirs afresh"
         )
 
+    @cached_property
+    def compute_dtype(self) -> DtypeChoice:
+        """--dtype resolved for this device: without it fp32 on a CPU (where bf16 can be far slower: measure it
+        with --dtype auto) and bf16 on CUDA."""
+        asked = self.args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
+        return resolve_dtype(asked, self.device)
+
     def autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()  # CPU: fp32 (bf16 matmul is far slower on CPUs without AMX)
+        """bf16 autocast where the compute dtype is bf16: the matmuls in bf16 over fp32 weights, which stay the
+        master copy (the optimiser and its state see fp32 only); norms, softmax and the loss in fp32."""
+        if self.compute_dtype.dtype == torch.bfloat16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -516,11 +553,15 @@ class Trainer:
             self.position += batch.shape[0]
             batch = self.parallel.rows(batch).to(self.device)  # this rank's rows only travel to the device
             with self.autocast():
-                out = self.pm.forward(batch, labels=batch)
+                out = self.forward(batch, labels=batch)
             (out.loss / a.grad_accum).backward()
             loss_sum += out.loss.item()
             if self.balancer is not None:
                 self.balancer.observe(out.routing)
+            if self.idle_experts is not None:
+                self.idle_experts.observe(out.routing)
+        if self.idle_experts is not None:
+            self.idle_experts.release()
         kill_point(self.parallel.rank, "step", self.step + 1)
         sync_expert_grads(self.pm)
         grad_norm = clip_grad_norm(self.pm, a.clip)
