@@ -3,6 +3,7 @@ checkpointing, next to the same-size HF Llama of benchmarks/train_step.py, each 
 
     python benchmarks/activation_memory.py            # 8 × 256 tokens, fp32, 2 threads
     python benchmarks/activation_memory.py --by-component    # k3's kept bytes per token by component
+    python benchmarks/activation_memory.py --compiled        # also `k3 train --compile`'s step, fp32 and bf16
 
 Reported: peak RSS growth of the process over the forward+backward (ru_maxrss after − before, after a
 warm-up step on a smaller batch so allocator pools and libraries are in place), and the bytes autograd
@@ -22,7 +23,62 @@ import torch
 from k3 import K3Config, K3Model
 
 
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def measure_sampled(system: str, batch: int, seq_len: int) -> dict:
+    """A step's memory measured as a compiled one allows: two full-size steps (compile and warm up; ru_maxrss
+    would keep the compiler's own peak), the freed heap back to the OS (malloc_trim), then the third step's RSS
+    sampled every millisecond; reported is its peak minus the RSS before it."""
+    import ctypes
+    import threading
+    import time
+
+    torch.manual_seed(0)
+    config = K3Config.from_preset("small")
+    if system.startswith("llama"):
+        from transformers import LlamaForCausalLM
+
+        sys.path.insert(0, "benchmarks")
+        from k3.model.params import param_report
+        from train_step import llama_like
+
+        model = LlamaForCausalLM(llama_like(param_report(config)["active"], config)).train()
+    else:
+        model = K3Model(config).train()
+    forward = torch.compile(model) if "compiled" in system else model
+    tokens = torch.randint(0, config.vocab_size, (batch, seq_len))
+    bf16 = system.endswith("bf16")
+
+    def step():
+        model.zero_grad(set_to_none=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = forward(tokens, labels=tokens).loss
+        loss.backward()
+
+    step()
+    step()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before, peak, done = rss_mb(), [0.0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_mb())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    step()
+    done.set()
+    sampler.join()
+    return {"system": system, "peak_growth_mb": peak[0] - before, "saved_mb": float("nan")}
+
+
 def measure(system: str, batch: int, seq_len: int) -> dict:
+    if "sampled" in system or "compiled" in system:
+        return measure_sampled(system, batch, seq_len)
     torch.manual_seed(0)
     config = K3Config.from_preset("small")
     if system == "llama":
@@ -101,6 +157,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also k3's compiled step, fp32 and bf16 autocast, with Llama and eager k3 measured the same way (RSS "
+        "sampled over a warm step: no kept-bytes column)",
+    )
     p.add_argument("--by-component", action="store_true", help="k3's kept bytes per token, by component")
     args = p.parse_args()
     torch.set_num_threads(2)
@@ -116,7 +178,10 @@ def main() -> None:
         print(json.dumps(measure(args.one, args.batch, args.seq_len)))
         return
     rows = []
-    for system in ("llama", "k3", "k3 + checkpointing"):
+    systems = ["llama", "k3", "k3 + checkpointing"]
+    if args.compiled:
+        systems += ["llama, sampled", "k3, sampled", "k3 compiled", "k3 compiled, bf16"]
+    for system in systems:
         out = subprocess.run(
             [sys.executable, __file__, "--one", system, "--batch", str(args.batch), "--seq-len", str(args.seq_len)],
             capture_output=True,
@@ -125,6 +190,7 @@ def main() -> None:
         )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     llama = rows[0]
+    sampled_llama = next((r for r in rows if r["system"] == "llama, sampled"), llama)
     print(
         f"{datetime.date.today()}, {platform.machine()}, torch {torch.__version__}, fp32, 2 threads, "
         f"{args.batch} × {args.seq_len} tokens\n"
@@ -132,8 +198,10 @@ def main() -> None:
     print("| system | peak RSS growth MB | ÷ Llama | kept for the backward MB | ÷ Llama |")
     print("|---|---|---|---|---|")
     for r in rows:
+        sampled = "sampled" in r["system"] or "compiled" in r["system"]
+        base = sampled_llama if sampled else llama  # each method against Llama measured the same way
         print(
-            f"| {r['system']} | {r['peak_growth_mb']:.0f} | {r['peak_growth_mb'] / llama['peak_growth_mb']:.2f} "
+            f"| {r['system']} | {r['peak_growth_mb']:.0f} | {r['peak_growth_mb'] / base['peak_growth_mb']:.2f} "
             f"| {r['saved_mb']:.0f} | {r['saved_mb'] / llama['saved_mb']:.2f} |"
         )
 

@@ -6,6 +6,8 @@ also runs its Quantile Balancing update, which is part of its step).
     python benchmarks/train_step.py --markdown    # also print the table for docs/benchmarks.md
     python benchmarks/train_step.py --k3-expert-optimizer muon adamw   # one K3 row per routed-expert optimiser
     python benchmarks/train_step.py --kda kernel reference   # K3 with KDA's C++ CPU kernel and its PyTorch reference
+    python benchmarks/train_step.py --compile off on --llama-compile off on --dtype float32 bfloat16
+                                                  # eager and compiled steps, fp32 and bf16 autocast, both models
 
 MFU = model FLOPs per token × tokens/s ÷ the fp32 matmul rate measured in this run, with model
 FLOPs = 3 × the forward FLOPs (forward + backward): 2 per active matmul weight, plus attention over
@@ -14,6 +16,7 @@ the average context (seq_len / 2) and, for K3, the KDA state updates (k3.model.p
 
 import argparse
 import datetime
+import itertools
 import os
 import statistics
 import time
@@ -24,8 +27,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from gates import trained_like_gates
 from k3 import K3Config, K3Model
 from k3.model.params import param_report
+from k3.ops.compile_cache import use_inductor_cache
 from k3.ops.kda import cpu_kernel
 from k3.train.balance import QuantileBalancer
+from k3.train.compiled import IdleExperts, compile_training
 from k3.train.optim import build_optimizer
 from machine import cpu
 
@@ -71,16 +76,26 @@ def llama_flops_per_token(c: LlamaConfig, context: int) -> int:
     return 2 * weights + L * 2 * 2 * d * context
 
 
-def bench(model, batch: torch.Tensor, steps: int, balancer=None, **optimizer_args) -> tuple[float, float]:
-    """Median seconds per training step, and the median share of it spent in the optimiser."""
+def bench(
+    model, batch: torch.Tensor, steps: int, balancer=None, forward=None, dtype="float32", **optimizer_args
+) -> tuple[float, float]:
+    """Median seconds per training step, and the median share of it spent in the optimiser. `forward` is what
+    runs the micro-batch (the model, or it compiled); dtype "bfloat16" runs it under bf16 autocast, as
+    `k3 train --dtype bfloat16` does."""
+    forward = model if forward is None else forward
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1, **optimizer_args)
+    idle = IdleExperts(model) if forward is not model and balancer is not None else None
     step_s, opt_s = [], []
     for i in range(steps + 1):  # the first step warms up allocators and caches
         t0 = time.perf_counter()
-        out = model(batch, labels=batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            out = forward(batch, labels=batch)
         out.loss.backward()
         if balancer is not None:
             balancer.observe(out.routing)
+        if idle is not None:
+            idle.observe(out.routing)
+            idle.release()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if balancer is not None:
             balancer.update()
@@ -123,6 +138,28 @@ def main() -> None:
         choices=["float32", "bfloat16"],
         help="the dtype of K3's Newton-Schulz iterations (k3 train --muon-dtype); one K3 row for each",
     )
+    p.add_argument(
+        "--compile",
+        nargs="+",
+        default=["off"],
+        choices=["off", "on"],
+        help="K3's step eager and/or compiled (k3 train --compile); one K3 row for each",
+    )
+    p.add_argument(
+        "--llama-compile",
+        nargs="+",
+        default=["off"],
+        choices=["off", "on"],
+        help="Llama's step eager and/or under torch.compile; one Llama row for each",
+    )
+    p.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "bfloat16"],
+        help="the compute dtype of both models (bfloat16: autocast over fp32 weights, k3 train --dtype); one row "
+        "for each",
+    )
     p.add_argument("--markdown", action="store_true")
     p.add_argument(
         "--gates",
@@ -159,36 +196,53 @@ def main() -> None:
     )
     lines = [
         "| batch (tokens) | model | active params | train FLOPs/token | step ms | optimizer ms | tokens/s | MFU "
-        "| K3 / Llama tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| K3 / Llama eager fp32 | K3 / Llama in the same mode |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    use_inductor_cache()
+    # K3 compiled as `k3 train --compile` compiles it (deterministic scatter-adds; the table of 2026-12-03 evening
+    # was measured with plain torch.compile, before that mode: docs/benchmarks.md)
+    k3_compiled, llama_compiled = compile_training(k3_model), torch.compile(llama)
+    k3_variants = list(
+        itertools.product(args.k3_expert_optimizer, args.kda, args.k3_muon_dtype, args.compile, args.dtype)
+    )
+    llama_variants = list(itertools.product(args.llama_compile, args.dtype))
     for bs in args.batch_size:
         batch = torch.randint(0, config.vocab_size, (bs, args.seq_len))
         tokens = batch.numel()
-        k3_runs = {
-            (algo, kda, ns): [] for algo in args.k3_expert_optimizer for kda in args.kda for ns in args.k3_muon_dtype
-        }
-        llama_runs = []
+        k3_runs = {v: [] for v in k3_variants}
+        llama_runs = {v: [] for v in llama_variants}
         for r in range(args.rounds):  # alternate so drift on a shared machine hits every row alike
-            for (algo, kda, ns), runs in k3_runs.items():
+            for (algo, kda, ns, comp, dtype), runs in k3_runs.items():
                 os.environ[cpu_kernel.ENV_VAR] = "off" if kda == "reference" else "auto"
                 balancer = QuantileBalancer(k3_model)
-                runs.append(bench(k3_model, batch, args.steps, balancer, expert_optimizer=algo, ns_dtype=ns))
+                forward = k3_compiled if comp == "on" else k3_model
+                runs.append(
+                    bench(k3_model, batch, args.steps, balancer, forward, dtype, expert_optimizer=algo, ns_dtype=ns)
+                )
             os.environ.pop(cpu_kernel.ENV_VAR)
-            llama_runs.append(bench(llama, batch, args.steps))
-            k3_rates = ", ".join(
-                f"K3 ({a}, KDA {kda}, NS {ns}) {tokens / rs[-1][0]:.0f}" for (a, kda, ns), rs in k3_runs.items()
-            )
-            print(f"batch {bs}, round {r + 1}: {k3_rates}, Llama {tokens / llama_runs[-1][0]:.0f} tok/s", flush=True)
-        ll_step, ll_opt = (statistics.median(x[i] for x in llama_runs) for i in (0, 1))
+            for (comp, dtype), runs in llama_runs.items():
+                runs.append(bench(llama, batch, args.steps, None, llama_compiled if comp == "on" else llama, dtype))
+            rates = [f"K3 {' '.join(v)} {tokens / rs[-1][0]:.0f}" for v, rs in k3_runs.items()]
+            rates += [f"Llama {' '.join(v)} {tokens / rs[-1][0]:.0f}" for v, rs in llama_runs.items()]
+            print(f"batch {bs}, round {r + 1} (tok/s): {', '.join(rates)}", flush=True)
+        medians = {v: tuple(statistics.median(x[i] for x in rs) for i in (0, 1)) for v, rs in llama_runs.items()}
+        ll_step = medians[("off", "float32")][0] if ("off", "float32") in medians else None
         rows = []
-        for (algo, kda, ns), runs in k3_runs.items():
+        for (algo, kda, ns, comp, dtype), runs in k3_runs.items():
             step, opt = (statistics.median(x[i] for x in runs) for i in (0, 1))
             name = "K3 small" + ("" if algo == "muon" else f", experts {algo}")
             name += "" if kda == "kernel" else ", KDA reference"
             name += "" if ns == "float32" else f", Newton-Schulz in {ns}"
-            rows.append((name, report["active"], k3_flops, step, opt, f"{ll_step / step:.2f}×"))
-        rows.append(("Llama (HF transformers)", llama_params, llama_flops, ll_step, ll_opt, ""))
+            name += ", compiled" if comp == "on" else ""
+            name += ", bf16 autocast" if dtype == "bfloat16" else ""
+            ratio = f"{ll_step / step:.2f}×" if ll_step else ""
+            same = f"{medians[(comp, dtype)][0] / step:.2f}×" if (comp, dtype) in medians else ""
+            rows.append((name, report["active"], k3_flops, step, opt, f"{ratio} | {same}"))
+        for (comp, dtype), (step, opt) in medians.items():
+            name = "Llama (HF transformers)" + (", torch.compile" if comp == "on" else "")
+            name += ", bf16 autocast" if dtype == "bfloat16" else ""
+            rows.append((name, llama_params, llama_flops, step, opt, " | "))
         for name, params, flops, step, opt, ratio in rows:
             tps = tokens / step
             lines.append(

@@ -4,6 +4,10 @@ backward against autograd through the module's dispatch; the gated activation's 
 `--compile` and `--dtype`."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +15,7 @@ import torch
 from k3.model.moe import combine, moe_experts, moe_experts_backward, run_experts
 from k3.model.situ import glu, glu_backward, glu_parts, situ_reference
 from k3.train.compiled import IdleExperts, compile_blocker, compile_training
-from k3.train.trainer import TrainArgs, Trainer
+from k3.train.distributed import KILL_ENV
 from tiny_models import loss_and_grads, tiny_model
 
 ACTS = [("situ", 4.0, 25.0), ("silu", 1.0, 1.0)]
@@ -131,28 +135,31 @@ def test_train_refuses_compile_with_qat_and_a_bad_dtype_before_writing(tmp_path,
     assert not (tmp_path / "b").exists()
 
 
-def tiny_args(out, **kw) -> TrainArgs:
-    base = dict(out=str(out), preset="tiny", steps=4, batch_size=2, seq_len=32, vocab_size=300, eval_every=4)
-    return TrainArgs(**{**base, **kw})
-
-
 @pytest.mark.slow
 def test_compiled_trainer_follows_eager_over_fifty_steps_and_resumes_bitwise(tmp_path):
-    """k3 train --compile: 50 steps within fp32 noise of the eager run's losses, and a run stopped at 25 then
-    resumed under --compile equals the unbroken compiled run bitwise."""
+    """k3 train --compile: 50 steps within fp32 noise of the eager run's losses, and a compiled run killed after
+    step 26 (SIGKILL, its last checkpoint at 25) then resumed under --compile equals the unbroken compiled run
+    bitwise."""
+    from k3.cli import main
+
     data = tmp_path / "data.txt"
-    data.write_text("def f(x):\n    return x + 1\n" * 400)
-    eager = Trainer(tiny_args(tmp_path / "eager", steps=50, data=str(data)), log=lambda *a: None)
-    eager.train()
-    whole = Trainer(tiny_args(tmp_path / "whole", steps=50, data=str(data), compile=True), log=lambda *a: None)
-    whole.train()
-    half = Trainer(tiny_args(tmp_path / "half", steps=25, data=str(data), compile=True), log=lambda *a: None)
-    half.train()
-    resumed = tiny_args(tmp_path / "half", steps=50, data=str(data), compile=True, resume=True)
-    Trainer(resumed, log=lambda *a: None).train()
+    data.write_text("".join(f"def f_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
+    common = ["--preset", "tiny", "--steps", "50", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "300"]
+    common += ["--eval-every", "50", "--ckpt-every", "5", "--data", str(data), "--no-progress"]
+    assert main(["train", *common, "--out", str(tmp_path / "eager")]) == 0
+    assert main(["train", *common, "--compile", "--out", str(tmp_path / "whole")]) == 0
+    broken = ["train", *common, "--compile", "--out", str(tmp_path / "broken")]
+    killed = subprocess.run(
+        [sys.executable, "-m", "k3.cli", *broken], env={**os.environ, KILL_ENV: "0:step:26"}, capture_output=True
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    assert len(losses(tmp_path / "broken")) == 25
+    assert main([*broken, "--resume"]) == 0
 
-    def losses(name):
-        return [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    eager, whole = losses(tmp_path / "eager"), losses(tmp_path / "whole")
+    torch.testing.assert_close(torch.tensor(whole), torch.tensor(eager), rtol=2e-4, atol=0)
+    assert losses(tmp_path / "broken") == whole  # every step, bitwise (JSON keeps every float digit)
 
-    torch.testing.assert_close(torch.tensor(losses("whole")), torch.tensor(losses("eager")), rtol=2e-4, atol=0)
-    assert losses("half") == losses("whole")
+
+def losses(run) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -245,10 +245,10 @@ def moe_experts_backward(
     beta2: float,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """The gradients of k3::moe_experts given du_TL (T, L): (dz_TL, dweights_TK, dw1, dw3, dw2), each weight's
-    gradient zero for an expert no token chose. Each expert's forward is recomputed from its rows (the routed
-    experts are a few percent of a step's FLOPs; keeping their activations would cost (A, I) per layer), then
-    differentiated by hand, so the operator holds no autograd graph and a compiled training step calls it as
-    one node, like the forward."""
+    gradient zero for an expert no token chose (k3.train.compiled.IdleExperts turns those back into None). Each
+    expert's gate and up products are recomputed from its rows (two of the layer's nine expert products, where
+    keeping them would hold (A, 2I) per layer until the backward), then differentiated by hand, so the operator
+    holds no autograd graph and a compiled training step calls it as one node, like the forward."""
     K = experts_TK.shape[1]
     order_A = experts_TK.flatten().argsort(stable=True)
     tokens_A = order_A // K

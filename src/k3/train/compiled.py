@@ -64,6 +64,13 @@ def compile_training(model: nn.Module, world_size: int = 1) -> Callable:
     if reason is not None:
         raise ValueError(f"--compile: {reason}")
     use_inductor_cache()
+    # Inductor lowers scatter-adds (the embedding's and the loss's backward) to atomic adds across OpenMP threads,
+    # whose order varies from run to run: two identical runs then differ in the last bit and a resumed run is not
+    # the unbroken one. In deterministic mode it calls ATen's sequential kernels for them instead. Dynamo guards
+    # on the mode, so it stays on for the process; torch.empty is not filled with NaN (that costs a pass per
+    # allocation and changes no result).
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
     return torch.compile(model)
 
 
