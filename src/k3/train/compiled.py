@@ -11,21 +11,19 @@ The layer stack traces as one graph with no breaks:
 
 The eager model stays the reference and the fallback: the compiled forward computes the same function (losses
 equal within fp32 rounding, tests/test_compiled_train.py), evaluation runs eagerly, and a checkpoint holds the
-same weights either way. Inductor keeps its code in `$K3_CACHE_DIR/inductor` (k3.ops.compile_cache), so a later
-run of the same model and code skips code generation; Dynamo still traces (~40 s for the small preset on 2 cores,
-~150 s with a cold cache). That cost is why compiling is not the default: docs/training.md has the measurement.
+same weights either way. The step runs in torch's deterministic mode (`compile_training`), so a compiled run
+repeats bitwise and a resumed one equals the unbroken one. Inductor keeps its code in `$K3_CACHE_DIR/inductor`
+(k3.ops.compile_cache), so a later run of the same model and code skips code generation; Dynamo still traces
+(~40 s for the small preset on 2 cores, ~150 s with a cold cache). That cost is why compiling is not the
+default: docs/training.md has the measurement.
 """
 
-import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from k3.ops.compile_cache import compiler_missing, use_inductor_cache
-
-log = logging.getLogger("k3.train")
-
 
 QAT_BLOCKER = (
     "routed experts under quantisation-aware training (--qat) fake-quantise their weights per call, which the "
