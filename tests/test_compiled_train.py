@@ -163,3 +163,27 @@ def test_compiled_trainer_follows_eager_over_fifty_steps_and_resumes_bitwise(tmp
 
 def losses(run) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_forward_that_fails_to_compile_runs_eagerly_from_then_on():
+    model = tiny_model().train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
+    said = []
+    try:
+        step = compile_training(model, log=said.append)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:  # the mode is the training process's; the tests after this one run without it
+        torch.use_deterministic_algorithms(False)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("backend failed\nlong trace")
+
+    step.compiled = broken
+    first, second = step(ids, labels=ids), step(ids, labels=ids)
+    assert calls == [1]  # tried once, then eager
+    assert said == ["--compile: the step did not compile, it runs eagerly from here: RuntimeError: backend failed"]
+    want = model(ids, labels=ids).loss
+    assert first.loss.item() == second.loss.item() == want.item()

@@ -164,12 +164,18 @@ def combine(
 ) -> torch.Tensor:
     """Σ_k w_tk · Expert_{e_tk}(z_t), with experts_forward(z_AL, counts) applying the experts to the
     assignments sorted by expert (LatentMoE.dispatch)."""
-    K = experts_TK.shape[1]
-    order_A = experts_TK.flatten().argsort(stable=True)
-    tokens_A = order_A // K  # which token each sorted assignment belongs to
-    weights_A = weights_TK.flatten()[order_A].to(z_TL.dtype)
+    _, tokens_A, weights_A = sort_assignments(experts_TK, weights_TK, z_TL.dtype)
     h_AL = experts_forward(z_TL.index_select(0, tokens_A), counts)
     return torch.zeros_like(z_TL).index_add_(0, tokens_A, h_AL * weights_A[:, None])
+
+
+def sort_assignments(
+    experts_TK: torch.Tensor, weights_TK: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The T·K assignments sorted by expert, stably: (order_A, the flat assignment index of each; tokens_A, the
+    token each belongs to; weights_A, its routing weight in dtype)."""
+    order_A = experts_TK.flatten().argsort(stable=True)
+    return order_A, order_A // experts_TK.shape[1], weights_TK.flatten()[order_A].to(dtype)
 
 
 def run_experts(
@@ -249,13 +255,10 @@ def moe_experts_backward(
     expert's gate and up products are recomputed from its rows (two of the layer's nine expert products, where
     keeping them would hold (A, 2I) per layer until the backward), then differentiated by hand, so the operator
     holds no autograd graph and a compiled training step calls it as one node, like the forward."""
-    K = experts_TK.shape[1]
-    order_A = experts_TK.flatten().argsort(stable=True)
-    tokens_A = order_A // K
+    order_A, tokens_A, weights_A = sort_assignments(experts_TK, weights_TK, z_TL.dtype)
     counts = torch.bincount(experts_TK.flatten(), minlength=len(w1)).tolist()
     z_AL = z_TL.index_select(0, tokens_A)
     du_AL = du_TL.index_select(0, tokens_A)
-    weights_A = weights_TK.flatten()[order_A].to(z_TL.dtype)
     dz_AL = torch.empty_like(z_AL)
     dweights_A = torch.empty(len(order_A), dtype=z_TL.dtype, device=z_TL.device)
     grads: list[list[torch.Tensor]] = [[], [], []]

@@ -84,8 +84,9 @@ class _ShortConvSiLU(torch.autograd.Function):
             # then one reduction over the contiguous rows (a reduction over a row slice is ~10x slower)
             prod = pre.view(-1, pre.shape[-1])
             dtaps = taps.new_zeros(taps.shape)
+            compiling = torch.compiler.is_compiling()  # Dynamo takes no out= into a strided view
             for s in range(min(w, T)):
-                if torch.compiler.is_compiling():  # Inductor fuses the product into the sum; no out= into a view
+                if compiling:  # Inductor fuses the product into the sum anyway
                     dtaps[w - 1 - s] = (g[:, s:] * x[:, : T - s]).sum((0, 1))
                     continue
                 pre[:, :s].zero_()

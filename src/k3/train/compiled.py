@@ -9,13 +9,13 @@ The layer stack traces as one graph with no breaks:
   cannot;
 - Inductor fuses the element-wise work around them (casts under bf16 autocast included).
 
-The eager model stays the reference and the fallback: the compiled forward computes the same function (losses
-equal within fp32 rounding, tests/test_compiled_train.py), evaluation runs eagerly, and a checkpoint holds the
-same weights either way. The step runs in torch's deterministic mode (`compile_training`), so a compiled run
-repeats bitwise and a resumed one equals the unbroken one. Inductor keeps its code in `$K3_CACHE_DIR/inductor`
-(k3.ops.compile_cache), so a later run of the same model and code skips code generation; Dynamo still traces
-(~40 s for the small preset on 2 cores, ~150 s with a cold cache). That cost is why compiling is not the
-default: docs/training.md has the measurement.
+The eager model stays the reference and the fallback (CompiledTraining): the compiled forward computes the
+same function (losses equal within fp32 rounding, tests/test_compiled_train.py), evaluation runs eagerly, and a
+checkpoint holds the same weights either way. The step runs in torch's deterministic mode (`compile_training`),
+so a compiled run repeats bitwise and a resumed one equals the unbroken one. Inductor keeps its code in
+`$K3_CACHE_DIR/inductor` (k3.ops.compile_cache), so a later run of the same model and code skips code
+generation; Dynamo still traces (~40 s for the small preset on 2 cores, ~150 s with a cold cache). That cost is
+why compiling is not the default: docs/training.md has the measurement.
 """
 
 from collections.abc import Callable
@@ -55,9 +55,31 @@ def compile_blocker(model: nn.Module, world_size: int = 1) -> str | None:
     return None
 
 
-def compile_training(model: nn.Module, world_size: int = 1) -> Callable:
-    """model's forward compiled for training (called as the model is: `f(tokens, labels=tokens)` -> K3Output);
-    a ValueError naming why where compile_blocker finds a reason."""
+class CompiledTraining:
+    """The compiled forward, with the eager model as its fallback: a forward that fails to trace or compile (the
+    error is a torch internal, not the model's: eager runs the same call and raises the model's own errors) is
+    logged once and every later micro-batch runs eagerly, as the serving step does. A failure there happens
+    before any backward, so the step it happens in is an ordinary eager step."""
+
+    def __init__(self, model: nn.Module, log: Callable[[str], None] = print):
+        self.model, self.log = model, log
+        self.compiled = torch.compile(model)
+        self.failed: str | None = None  # why the step runs eagerly
+
+    def __call__(self, *args, **kwargs):
+        if self.failed is None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as error:  # any compile failure: the eager call below re-raises the model's own errors
+                self.failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                self.log(f"--compile: the step did not compile, it runs eagerly from here: {self.failed}")
+        return self.model(*args, **kwargs)
+
+
+def compile_training(model: nn.Module, world_size: int = 1, log: Callable[[str], None] = print) -> CompiledTraining:
+    """model's forward compiled for training (called as the model is: `f(tokens, labels=tokens)` -> K3Output,
+    falling back to eager if it fails to compile); a ValueError naming why where compile_blocker finds a
+    reason."""
     reason = compile_blocker(model, world_size)
     if reason is not None:
         raise ValueError(f"--compile: {reason}")
@@ -69,7 +91,7 @@ def compile_training(model: nn.Module, world_size: int = 1) -> Callable:
     # allocation and changes no result).
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
-    return torch.compile(model)
+    return CompiledTraining(model, log)
 
 
 class IdleExperts:

@@ -265,7 +265,7 @@ class Trainer:
         self.forward = self.pm.forward  # what a training micro-batch runs: the model, its DDP wrapper, or compiled
         self.idle_experts = None
         if args.compile:
-            self.forward = compile_training(self.model, parallel.world_size)
+            self.forward = compile_training(self.model, parallel.world_size, log)
             self.idle_experts = IdleExperts(self.model)
             log("--compile: the first step traces and compiles the model (~40 s; ~150 s with a cold cache)")
         if args.dtype is not None or self.compute_dtype.dtype != torch.float32:
