@@ -101,6 +101,27 @@ def explicit_mla(layer: GatedMLA, x: torch.Tensor) -> torch.Tensor:
     return layer.o_proj(o.reshape(B, T, -1))
 
 
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_kda_gate_init_follows_fla_per_gate_kind(lower_bound):
+    """fla's KDA layer starts the bounded (safe) gate at A_log = 0 and the unbounded one at A ∈ [1, 16]; with
+    the bounded gate at g_raw = 0 every channel then decays by lb·sigmoid(dt_bias) ≈ 5·dt, dt ∈ [1e-3, 0.1]."""
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(K3Config.from_preset("tiny", gate_lower_bound=lower_bound))
+    layer.reset_gate_parameters()
+    dt = F.softplus(layer.dt_bias)
+    assert dt.min() >= 1e-3 * (1 - 1e-5) and dt.max() <= 0.1 * (1 + 1e-5)
+    g0 = kda_gate(torch.zeros(1, 1, layer.H, layer.K), layer.A_log, layer.dt_bias, lower_bound)[0, 0]
+    if lower_bound is None:
+        A = layer.A_log.exp()
+        assert A.min() >= 1 and A.max() <= 16 and A.max() > A.min()  # drawn per head, not one constant
+        torch.testing.assert_close(g0, -A[:, None] * dt.view(layer.H, layer.K))
+    else:
+        assert torch.equal(layer.A_log, torch.zeros_like(layer.A_log))
+        torch.testing.assert_close(g0, lower_bound * torch.sigmoid(layer.dt_bias).view(layer.H, layer.K))
+        # forgetting from the first step: no channel saturated at g ≈ 0 (rate 16 gave g > -1e-4 in most)
+        assert g0.max() < -4e-3 and g0.min() > -0.5
+
+
 def test_mla_naive_and_absorbed_match_the_equations():
     layer = randomized(GatedMLA(TINY))
     x = torch.randn(2, 13, TINY.hidden_size, dtype=torch.float64)

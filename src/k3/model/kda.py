@@ -51,9 +51,18 @@ class KimiDeltaAttention(nn.Module):
 
     @torch.no_grad()
     def reset_gate_parameters(self) -> None:
-        """Rates A ∈ [1, 16] and dt_bias = softplus⁻¹(dt) with dt log-uniform in [1e-3, 0.1], as fla's
-        KDA layer, so the layer starts out remembering over many tokens."""
-        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        """dt_bias = softplus⁻¹(dt) with dt log-uniform in [1e-3, 0.1], and A_log per gate kind, as fla's KDA
+        layer (`fla/layers/kda.py`) does: for the bounded gate A_log = 0 (rate 1), for the unbounded gate
+        rates A ∈ [1, 16].
+
+        Why the kinds differ: the unbounded gate −A·softplus(f + dt_bias) starts at −A·dt, so A ∈ [1, 16]
+        gives decays of 1e-3…1.6 per token. The bounded gate lb·sigmoid(A·(f + dt_bias)) saturates instead:
+        with dt_bias ≈ log dt ∈ [−6.9, −2.3], a rate of 16 sends sigmoid to e⁻³⁷…e⁻¹¹ and the channel starts
+        (and, in the quickstart, stays) with no forgetting at all; rate 1 starts it at 5·dt, 0.005…0.45."""
+        if self.lower_bound is None:
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        else:
+            self.A_log.zero_()
         dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1)))
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
