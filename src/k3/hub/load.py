@@ -7,7 +7,9 @@
 Serving (`LLM`, `k3 generate`) and training (`k3 train --init-from`) both come here; neither owns it.
 
 Dtype rule: every floating-point tensor is converted to the model's dtype (`dtype`, default float32, the
-dtype k3 computes in on a CPU); bf16 -> fp32 is exact. MXFP4-packed experts are decoded to that dtype.
+dtype k3 computes in on a CPU; bf16 -> fp32 is exact), except those the release stores in F32 (KDA's short
+convolutions, o_norm, A_log, dt_bias: k3.model.model.KEEP_FP32), which a bf16 model keeps in fp32.
+MXFP4-packed experts are decoded to the model's dtype.
 A model folder is read shard by shard and tensor by tensor into a model allocated once, so the memory
 peak is the model plus the tensor being read (plus its partner, for a packed expert weight).
 
@@ -95,7 +97,7 @@ def folder_kind(path: str | Path) -> str:
 def _expected_shapes(config: K3Config, dtype: torch.dtype) -> tuple[K3Model, dict[str, torch.Size]]:
     """A model on the meta device (no memory) and its state_dict shapes."""
     with torch.device("meta"):
-        model = K3Model(config).to(dtype)
+        model = K3Model(config).cast(dtype)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")  # the same tensor as the input embedding
@@ -213,7 +215,7 @@ def load_pretrained(
     ckpt.load_model(model)
     if quantization == "mxfp4":  # model.safetensors is read whole anyway: dense, then packed (stored values)
         pack_experts(model)
-    model = model.to(dtype).eval()
+    model = model.cast(dtype).eval()
     tokenizer = ckpt.path.parent / ckpt.state.get("tokenizer", "tokenizer.json")
     return Pretrained(
         model, config, tokenizer if tokenizer.exists() else None, ckpt.path, "checkpoint", [], quantization

@@ -84,7 +84,8 @@ def source_inv_rms(v: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _forward(weight, gamma, eps, sources, inv_rms=()):
-    """-> h (B, T, d) in the sources' dtype, and p, a, r (S, B·T) in at least fp32 (see the module docstring).
+    """-> h (B, T, d) in the sources' dtype (summed in at least fp32), and p, a, r (S, B·T) in at least fp32
+    (see the module docstring).
     inv_rms: r of the first sources, when the caller has them (attn_res)."""
     d = sources[0].shape[-1]
     v0 = at_least_fp32(sources[0])
@@ -97,11 +98,13 @@ def _forward(weight, gamma, eps, sources, inv_rms=()):
     # across tokens and sends those in the vector tail through a scalar exp, so equal tokens at other places of
     # a packed batch got other last bits (a request's log-probabilities depended on its batch neighbours)
     p = torch.softmax((a * r).T, dim=-1).T  # (S, N) in fp32 (or fp64)
-    pv = p.to(sources[0].dtype).reshape(len(sources), *sources[0].shape[:-1], 1)
-    h = torch.mul(sources[0], pv[0])
+    # the weighted sum in fp32, rounded to the sources' dtype once, as HF's, TensorRT-LLM's and SGLang's K3 code
+    # sum it: in bf16 each of up to S products and partial sums rounds to 8 bits (a no-op for fp32 sources)
+    pv = p.reshape(len(sources), *sources[0].shape[:-1], 1)
+    h = torch.mul(at_least_fp32(sources[0]), pv[0])
     for v, ps in zip(sources[1:], pv[1:], strict=True):
         h.addcmul_(v, ps)
-    return h, p, a, r
+    return h.to(sources[0].dtype), p, a, r
 
 
 class _AttnRes(torch.autograd.Function):

@@ -25,6 +25,12 @@ from k3.model.vision import PatchMergerProjector, VisionTower, place_image_token
 from k3.ops.cross_entropy import cross_entropy
 from k3.ops.numerics import at_least_fp32
 
+# Tensors a bf16 model keeps in fp32, as the release stores them (F32 beside its bf16 matrices). Each is small and
+# sets a per-channel scale or rate (exp(A_log), softplus(· + dt_bias), the short
+# convolutions' taps, the gated norm's gain) where bf16's 8 bits would move every token's result; the code that
+# reads them computes in fp32 already. Names as the state dict ends them.
+KEEP_FP32 = ("conv1d.weight", "o_norm.weight", "A_log", "dt_bias")
+
 
 @dataclass
 class K3Output:
@@ -156,6 +162,17 @@ class K3Model(nn.Module):
         if self.config.vision_config is None:
             raise ValueError("this model has no vision tower (its config has no vision_config): it takes text only")
         return self.mm_projector(*self.vision_tower(images))
+
+    def cast(self, dtype: torch.dtype) -> "K3Model":
+        """The model's floating-point parameters and buffers in dtype, except KEEP_FP32's, which a narrower
+        dtype leaves in fp32 (a wider one, fp64, takes them too). In place; returns the model."""
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            if not tensor.is_floating_point():
+                continue
+            target = torch.promote_types(dtype, torch.float32) if name.endswith(KEEP_FP32) else dtype
+            if tensor.dtype != target:
+                tensor.data = tensor.data.to(target)
+        return self
 
     def set_activation_checkpointing(self, enabled: bool = True) -> "K3Model":
         """Recompute each sublayer's activations (attention, FFN/MoE) in the backward instead of keeping

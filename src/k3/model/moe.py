@@ -163,10 +163,14 @@ def combine(
     experts_forward: Callable[[torch.Tensor, list[int]], torch.Tensor],
 ) -> torch.Tensor:
     """Σ_k w_tk · Expert_{e_tk}(z_t), with experts_forward(z_AL, counts) applying the experts to the
-    assignments sorted by expert (LatentMoE.dispatch)."""
-    _, tokens_A, weights_A = sort_assignments(experts_TK, weights_TK, z_TL.dtype)
+    assignments sorted by expert (LatentMoE.dispatch). The weighted sum is taken in at least fp32 with the
+    routing's fp32 weights and rounded to z's dtype once, as HF's and SGLang's MoE layers and k3's C++ kernel
+    do: in bf16 the K = 16 partial sums each rounded to 8 bits."""
+    acc = torch.promote_types(z_TL.dtype, torch.float32)
+    _, tokens_A, weights_A = sort_assignments(experts_TK, weights_TK, acc)
     h_AL = experts_forward(z_TL.index_select(0, tokens_A), counts)
-    return torch.zeros_like(z_TL).index_add_(0, tokens_A, h_AL * weights_A[:, None])
+    u_TL = z_TL.new_zeros(z_TL.shape, dtype=acc).index_add_(0, tokens_A, h_AL.to(acc) * weights_A[:, None])
+    return u_TL.to(z_TL.dtype)
 
 
 def sort_assignments(

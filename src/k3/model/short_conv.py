@@ -113,7 +113,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None
 
     Written as w shifted multiply-adds (a tiny kernel over many channels, where CPU conv1d's backward
     loops over channels one by one), with a hand-written backward. Decoding (T = 1) and mixed dtypes take
-    the reference's composite form.
+    the reference's composite form; y is in x's dtype.
     """
     B, T, C = x.shape
     if weight.dim() != 3 or weight.shape[:2] != (C, 1):
@@ -125,7 +125,10 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None
     if tail is not None and tail.shape != (B, C, w - 1):
         raise ValueError(f"causal_conv: tail must be (B, C, kernel − 1) = ({B}, {C}, {w - 1}), got {tuple(tail.shape)}")
     if T == 1 or x.dtype != weight.dtype:
-        return causal_conv_reference(x, weight, tail)
+        # mixed dtypes: fp32 taps of a bf16 model (k3.model.model.KEEP_FP32) or master weights under autocast;
+        # computed in the wider dtype and returned in x's, as fla's and HF's short convolutions do
+        y, tail = causal_conv_reference(x, weight, tail)
+        return y.to(x.dtype), tail
     past = tail.transpose(1, 2).to(x.dtype) if tail is not None else None  # (B, w−1, C)
     y = _ShortConvSiLU.apply(x, weight, past)
     # the last w−1 inputs, copied so a cache does not keep the whole projection output alive

@@ -159,7 +159,10 @@ def conv_recurrent_step(x, g, beta, conv_weight, A_log, dt_bias, scale, flags, s
     _require()
     dt = x.dtype
 
-    w = conv_weight if conv_weight.dtype == dt and conv_weight.is_contiguous() else conv_weight.to(dt).contiguous()
+    # fp32 taps of a bf16 model go in as they are (the kernel sums in fp32); any other dtype is cast to x's
+    taps = (dt, torch.float32) if dt == torch.bfloat16 else (dt,)
+    w = conv_weight if conv_weight.dtype in taps else conv_weight.to(dt)
+    w = w if w.is_contiguous() else w.contiguous()
     return torch.ops.k3_kda.conv_recurrent_step(
         x,
         g if g.dtype == dt else g.to(dt),  # any batch and head strides

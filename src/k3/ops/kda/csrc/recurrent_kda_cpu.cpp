@@ -131,14 +131,16 @@ void step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const a
 // The short convolutions' decoding step and then the recurrence, per sequence: x (C = 2HK + HV) the raw q, k,
 // v channels, tail (C, w−1) the channels' last w−1 inputs (shifted by one in place), weight (C, w);
 // y = silu(Σ_j tail_j·weight_j + x·weight_{w−1}) as short_conv.causal_conv_reference, then q, k, v = y's parts.
-// S is the type of x, g, beta, the weight, the tails and the output; T the states' and the arithmetic's (S, or
-// float for bfloat16: the tails hold bf16 values as the pool does, every sum and the state are fp32).
-template <typename T, typename S = T>
+// S is the type of x, g, beta, the tails and the output; T the states' and the arithmetic's (S, or float for
+// bfloat16: the tails hold bf16 values as the pool does, every sum and the state are fp32); Wt the weight's (S,
+// or float in a bf16 model, which keeps the convolutions' taps in fp32 as the release stores them).
+template <typename T, typename S = T, typename Wt = S>
 void conv_step(const at::Tensor& x, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& weight,
                const Options<T>& p, at::Tensor& states, at::Tensor& convs, const std::optional<at::Tensor>& rows,
                at::Tensor& o) {
   const int64_t B = x.size(0), C = x.size(1), W = weight.size(-1), H = p.H, K = p.K;
-  const S *xp = x.data_ptr<S>(), *wp = weight.data_ptr<S>(), *gp = g.data_ptr<S>(), *bp = beta.data_ptr<S>();
+  const S *xp = x.data_ptr<S>(), *gp = g.data_ptr<S>(), *bp = beta.data_ptr<S>();
+  const Wt* wp = weight.data_ptr<Wt>();
   T* sp = states.data_ptr<T>();
   S* cp = convs.data_ptr<S>();
   S* op = o.data_ptr<S>();
@@ -152,7 +154,7 @@ void conv_step(const at::Tensor& x, const at::Tensor& g, const at::Tensor& beta,
       S* tail = cp + row * convs.stride(0);
       for (int64_t c = 0; c < C; ++c) {
         S* tc = tail + c * (W - 1);
-        const S* wc = wp + c * W;
+        const Wt* wc = wp + c * W;
         T acc = 0;
         for (int64_t j = 0; j < W - 1; ++j) acc += static_cast<T>(tc[j]) * static_cast<T>(wc[j]);
         acc += static_cast<T>(xb[c]) * static_cast<T>(wc[W - 1]);
@@ -244,7 +246,7 @@ at::Tensor recurrent_step(const at::Tensor& q, const at::Tensor& k, const at::Te
 // x (B, 2HK + HV) the raw q, k, v channels before the short convolutions, g (B, H, K), beta (B, H); conv_weight
 // (2HK + HV, w); states as recurrent_step's; convs (P, 2HK + HV, w−1) with rows, or (B, ·, w−1) without, each
 // row contiguous, shifted in place. Returns o (B, H, V). With bfloat16 inputs (a bf16 pool), the states, A_log
-// and dt_bias are float32 (the pool's state dtype) and the arithmetic is too.
+// and dt_bias are float32 (the pool's state dtype) and the arithmetic is too; conv_weight may be either.
 at::Tensor conv_recurrent_step(const at::Tensor& x, const at::Tensor& g, const at::Tensor& beta,
                                const at::Tensor& conv_weight, const std::optional<at::Tensor>& A_log,
                                const std::optional<at::Tensor>& dt_bias, double scale,
@@ -260,9 +262,13 @@ at::Tensor conv_recurrent_step(const at::Tensor& x, const at::Tensor& g, const a
   TORCH_CHECK((C - 2 * H * K) > 0 && (C - 2 * H * K) % H == 0, "conv_recurrent_step: x's ", C,
               " channels are not 2HK + HV for H = ", H, ", K = ", K);
   const int64_t V = (C - 2 * H * K) / H;
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&g, &beta, &conv_weight, &convs})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&g, &beta, &convs})
     TORCH_CHECK(t->scalar_type() == dt && t->device().is_cpu(), "conv_recurrent_step: every input must be ", dt,
                 " on the CPU");
+  const bool fp32_taps = dt == at::kBFloat16 && conv_weight.scalar_type() == at::kFloat;
+  TORCH_CHECK((conv_weight.scalar_type() == dt || fp32_taps) && conv_weight.device().is_cpu(),
+              "conv_recurrent_step: conv_weight must be ", dt, dt == at::kBFloat16 ? " or float32" : "",
+              " on the CPU");
   TORCH_CHECK(states.scalar_type() == compute && states.device().is_cpu(), "conv_recurrent_step: the states must be ",
               compute, " on the CPU");
   check_rows(g, B, H, K, "g");
@@ -280,7 +286,10 @@ at::Tensor conv_recurrent_step(const at::Tensor& x, const at::Tensor& g, const a
     conv_step<float>(x, g, beta, conv_weight, p, states, convs, rows, o);
   } else if (dt == at::kBFloat16) {
     const auto p = options<float>(H, K, V, scale, lower_bound, l2norm, gate, beta_sigmoid, neg_eigval, A_log, dt_bias);
-    conv_step<float, at::BFloat16>(x, g, beta, conv_weight, p, states, convs, rows, o);
+    if (fp32_taps)
+      conv_step<float, at::BFloat16, float>(x, g, beta, conv_weight, p, states, convs, rows, o);
+    else
+      conv_step<float, at::BFloat16>(x, g, beta, conv_weight, p, states, convs, rows, o);
   } else {
     const auto p = options<double>(H, K, V, scale, lower_bound, l2norm, gate, beta_sigmoid, neg_eigval, A_log, dt_bias);
     conv_step<double>(x, g, beta, conv_weight, p, states, convs, rows, o);
