@@ -40,7 +40,6 @@ from k3.absent_keys import (
     SPELLINGS,
     file_key,
     has_k3_keys,
-    layers_from_types,
     resolve_absent,
 )
 
@@ -464,21 +463,6 @@ class K3Config:
             if name in _ONE_WAY and value not in _ONE_WAY[name][0]:
                 supported, what = _ONE_WAY[name]
                 fail(key, f"{what}; supported: {' or '.join(map(repr, supported))}")
-            if key in SPELLINGS and value != getattr(self, SPELLINGS[key]):
-                fail(
-                    key,
-                    f"k3 reads {file_key(SPELLINGS[key])} (= {getattr(self, SPELLINGS[key])!r}); "
-                    "set that key instead, or the two to the same value",
-                )
-        derived = layers_from_types(text)
-        for key, name in (("layer_types", "full_attn_layers"), ("mlp_layer_types", "first_k_dense_replace")):
-            if key in text and derived.get(name) != getattr(self, name):
-                fail(
-                    key,
-                    f"transformers builds the layers from it, and it disagrees with {file_key(name)} = "
-                    f"{getattr(self, name)!r}, which k3 builds them from; "
-                    f"k3 would build {_layer_lists(self)[key]}",
-                )
         group_key = "n_group" if "n_group" in text else "num_expert_group"
         groups, chosen = text.get(group_key, 1), text.get("topk_group", 1)
         if text.get("use_grouped_topk", True) is not False and chosen < groups:
@@ -632,7 +616,12 @@ class K3Config:
             "quantization_in": quantization_in,
             "order": order,
         }
+        # other spellings of fields, and transformers' layer lists: checked against the fields here, then written
+        # from them by to_hf (a config holds one value per field, so a changed field cannot disagree with them)
+        spelled = {k: text.pop(k) for k in list(text) if k in SPELLINGS or k in _LAYER_LISTS}
+        kwargs["extra_hf"]["spelled"] = list(spelled)
         config = cls(**kwargs)
+        _check_spellings(config, spelled)
         if kda_layers is not None:
             expected = [i + 1 for i, t in enumerate(config.layer_types) if t == "kda"]
             if list(kda_layers) != expected:
@@ -720,14 +709,11 @@ class K3Config:
         return copy.deepcopy(_ordered(top, order["top"] if order else []))
 
     def _respelled(self, text: dict[str, Any]) -> dict[str, Any]:
-        """A file's other text_config keys with each other spelling of a field (k3.absent_keys.SPELLINGS), and
-        transformers' layer lists, set from the fields as they are now."""
-        for key, name in SPELLINGS.items():
-            if key in text:
-                text[key] = getattr(self, name)
-        for key, value in _layer_lists(self).items():
-            if key in text:
-                text[key] = value
+        """A file's other text_config keys, with the other spellings of fields (k3.absent_keys.SPELLINGS) and
+        transformers' layer lists it had, from the fields as they are now."""
+        lists = _layer_lists(self)
+        for key in (self.extra_hf or {}).get("spelled", ()):
+            text[key] = lists[key] if key in lists else getattr(self, SPELLINGS[key])
         return text
 
     def save(self, path: str | Path) -> None:
@@ -752,6 +738,28 @@ _READ_FIELDS = [
     f.name for f in fields(K3Config) if f.name in _TEXT_FIELDS | {"full_attn_layers", *_LINEAR_ATTN_KEYS.values()}
 ]
 _SITU_WHY = "read under hidden_act 'situ', which has no public default for it"
+
+
+_LAYER_LISTS = ("layer_types", "mlp_layer_types")
+
+
+def _check_spellings(config: K3Config, spelled: dict[str, Any]) -> None:
+    """A file's other spellings of fields, and transformers' layer lists, must say what the fields say."""
+    lists = _layer_lists(config)
+    for key, value in spelled.items():
+        if key in lists:
+            name = "full_attn_layers" if key == "layer_types" else "first_k_dense_replace"
+            if value != lists[key]:
+                raise ConfigError(
+                    f"config.json text_config.{key} = {value!r}: transformers builds the layers from it, and it "
+                    f"disagrees with {file_key(name)} = {getattr(config, name)!r}, which k3 builds them from "
+                    f"(that is {lists[key]})"
+                )
+        elif value != getattr(config, SPELLINGS[key]):
+            raise ConfigError(
+                f"config.json text_config.{key} = {value!r}: k3 reads {file_key(SPELLINGS[key])} "
+                f"(= {getattr(config, SPELLINGS[key])!r}); set that key instead, or the two to the same value"
+            )
 
 
 def _layer_lists(config: K3Config) -> dict[str, list[str]]:

@@ -319,6 +319,8 @@ def format_report(report: dict[str, Any], source: str) -> str:
     )
     if cache["kda_state_in_mla_tokens"] is not None:
         lines.append(f"               = the MLA cache of {cache['kda_state_in_mla_tokens']:,.0f} tokens")
+    if report["components"]["latent_projections"]["total"] == 0:  # full-width experts already (Kimi Linear's)
+        return "\n".join(lines)
     lines += [
         "",
         "The same experts at full width (no latent, no down/up projection):",
