@@ -124,7 +124,7 @@ def plan_load(tensors: dict[str, TensorInfo], expected: dict[str, torch.Size], t
                 continue
             if info.shape != shape:
                 padded = (
-                    f", [{RELEASED_A_LOG_SIZE}] (K3's, padded) or [1, 1, {shape[0]}, 1] (Kimi Linear's)"
+                    f" or [{RELEASED_A_LOG_SIZE}] (padded), or Kimi Linear's [1, 1, {shape[0]}, 1]"
                     if k3_name.endswith(".A_log")
                     else ""
                 )
