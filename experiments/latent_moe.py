@@ -11,8 +11,9 @@ the two have the same expert count and the same active expert parameters. Per to
 
 (a) That accounting for the released shape (preset k3) and the small preset, from their configs.
 (b) Both small-preset variants trained by `k3 train` from the same seed for the same steps and tokens:
-validation loss and seconds per step. Two differences k3's config imposes on the full-width variant: it
-always builds the down/up projections, so they are d x d matrices a plain MoE would not have, and the shared
+validation loss and seconds per step. Two differences from a plain MoE in the full-width variant as recorded: it
+sets the latent to d, so it builds d x d down/up projections a plain MoE would not have (k3 now also builds
+experts with none, routed_expert_hidden_size None, as Kimi Linear's; the runs here predate it), and the shared
 expert's hidden size is moe_intermediate_size, so it is halved too. In the small preset that leaves the
 full-width variant's MoE layers with 426K active parameters against LatentMoE's 458K (7% fewer).
 

@@ -323,3 +323,123 @@ def test_bad_files_and_layouts(tmp_path):
 def test_describe_lists_every_layer():
     lines = K3Config.from_preset("tiny").describe().splitlines()
     assert len(lines) == 5 and "MLA" in lines[3] and "dense" in lines[0]
+
+
+# A Kimi Linear config.json as its release writes one (Kimi-Linear-48B-A3B's keys, small sizes): no K3 key in it.
+KIMI_LINEAR = {
+    "architectures": ["KimiLinearForCausalLM"],
+    "model_type": "kimi_linear",
+    "dtype": "bfloat16",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "q_lora_rank": None,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "mla_use_nope": True,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid",
+    "routed_scaling_factor": 2.446,
+    "topk_method": "noaux_tc",
+    "use_grouped_topk": True,
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "model_max_length": 4096,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "num_nextn_predict_layers": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "linear_attn_config": {
+        "full_attn_layers": [4],
+        "kda_layers": [1, 2, 3],
+        "head_dim": 16,
+        "num_heads": 2,
+        "short_conv_kernel_size": 4,
+    },
+}
+
+
+def test_a_partial_config_reads_k3s_extensions_as_off():
+    """Issue 31: every K3 key absent means the feature off (Kimi Linear's computation), never K3's value: no
+    latent of 3584 in a model 64 wide, no bounded gate, no output gate, no AttnRes, no SiTU."""
+    c = K3Config.from_hf(copy.deepcopy(KIMI_LINEAR))
+    assert (c.gate_lower_bound, c.use_full_rank_gate, c.mla_use_output_gate) == (None, False, False)
+    assert (c.routed_expert_hidden_size, c.latent_moe_use_norm, c.expert_width) == (None, False, 64)
+    assert (c.attn_res_block_size, c.residual, c.attn_res_blocks) == (None, "standard", ())
+    assert (c.hidden_act, c.q_lora_rank, c.mla_latent_norm_eps, c.family) == ("silu", None, 1e-6, "kimi_linear")
+    assert c.max_position_embeddings == 4096  # read from model_max_length, its other spelling
+    assert (c.num_experts, c.routed_scaling_factor, c.full_attn_layers) == (8, 2.446, (4,))
+    assert c.to_hf() == KIMI_LINEAR and "k3" not in c.to_hf()
+
+
+def test_a_changed_kimi_linear_config_writes_what_it_needs_to_read_back():
+    c = K3Config.from_hf(copy.deepcopy(KIMI_LINEAR))
+    bounded = dataclasses.replace(c, gate_lower_bound=-5.0, max_position_embeddings=8192)
+    doc = bounded.to_hf()
+    assert doc["linear_attn_config"]["gate_lower_bound"] == -5.0
+    assert doc["model_max_length"] == 8192 and "max_position_embeddings" not in doc  # the file's spelling
+    # a K3 key makes the file K3's, whose code reads MLA's latent norms at rms_norm_eps: the 1e-6 is kept
+    assert bounded.family == "k3" and doc["k3"]["mla_latent_norm_eps"] == 1e-6
+    assert K3Config.from_hf(doc) == bounded and K3Config.from_hf(doc).to_hf() == doc
+
+
+def test_keys_the_public_codes_default_differently_must_be_given():
+    doc = copy.deepcopy(KIMI_LINEAR)
+    del doc["rms_norm_eps"], doc["num_experts"], doc["linear_attn_config"]["num_heads"]
+    with pytest.raises(ConfigError, match=r"no rms_norm_eps, linear_attn_config\.num_heads, num_experts") as e:
+        K3Config.from_hf(doc)
+    assert "1e-6 / 1e-5" in str(e.value) and "docs/checkpoints.md" in str(e.value)
+    doc["num_local_experts"] = 8  # transformers' spelling of num_experts, and its copy of num_heads, are read
+    doc["linear_num_heads"] = 2
+    doc["rms_norm_eps"] = 1e-5
+    c = K3Config.from_hf(doc)
+    assert (c.num_experts, c.kda_num_heads) == (8, 2) and c.to_hf() == doc
+    situ = copy.deepcopy(KIMI_LINEAR) | {"hidden_act": "situ"}
+    with pytest.raises(ConfigError, match="no activation_situ_beta, activation_situ_linear_beta"):
+        K3Config.from_hf(situ)
+
+
+def test_transformers_layer_lists_are_read_and_checked():
+    doc = copy.deepcopy(KIMI_LINEAR)
+    del doc["linear_attn_config"]["full_attn_layers"], doc["linear_attn_config"]["kda_layers"]
+    del doc["first_k_dense_replace"]
+    doc["layer_types"] = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    doc["mlp_layer_types"] = ["dense", "dense", "sparse", "sparse"]
+    c = K3Config.from_hf(doc)
+    assert c.layer_types == ("kda", "mla", "kda", "mla") and c.ffn_types == ("dense", "dense", "moe", "moe")
+    assert dataclasses.replace(c, first_k_dense_replace=1).to_hf()["mlp_layer_types"] == ["dense"] + ["sparse"] * 3
+    doc = copy.deepcopy(KIMI_LINEAR) | {"layer_types": ["full_attention"] + ["linear_attention"] * 3}
+    with pytest.raises(ConfigError, match=r"layer_types = .*disagrees with linear_attn_config\.full_attn_layers"):
+        K3Config.from_hf(doc)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(attention_bias=True), r"attention_bias = True: k3's MLA projections have no bias"),
+        (dict(attention_dropout=0.1), r"attention_dropout = 0.1: k3 applies no attention dropout"),
+        (dict(mla_use_nope=False), r"mla_use_nope = False: must be True"),
+        (dict(moe_router_activation_func="softmax"), r"moe_router_activation_func = 'softmax'"),
+        (dict(latent_moe_use_norm=True), r"latent_moe_use_norm = True: normalises the experts' latent"),
+        (dict(k3={"residual": "attnres"}), r"residual = 'attnres': Block AttnRes needs attn_res_block_size"),
+    ],
+)
+def test_kimi_linear_configs_k3_cannot_compute_are_refused(change, message):
+    with pytest.raises(ConfigError, match=message):
+        K3Config.from_hf(copy.deepcopy(KIMI_LINEAR) | change)

@@ -9,6 +9,8 @@ from k3.config import K3Config
 from k3.model import K3Model
 from k3.model.params import COMPONENTS, UnknownParameterError, classify, count_parameters, param_report
 
+TINY_TEXT = K3Config.from_preset("tiny").to_hf()["text_config"]
+
 
 @pytest.fixture(scope="module")
 def two_layers() -> K3Config:
@@ -224,7 +226,8 @@ def test_cli_params_missing_config_exits_2(tmp_path, capsys):
     "text, message",
     [
         ("{not json", "cannot read a config"),
-        ('{"text_config": {"hidden_size": -1}}', "hidden_size"),
+        ('{"text_config": {"hidden_size": -1}}', "config.json has no num_hidden_layers"),  # issue 31: no guessing
+        (json.dumps({"text_config": {**TINY_TEXT, "hidden_size": -1}}), "hidden_size = -1"),
         ('{"text_config": {"linear_attn_config": [4]}}', "not a K3 config.json"),
     ],
 )

@@ -20,6 +20,11 @@ heads) are checked: another value is a ConfigError naming the key and the values
 silent difference. Keys that change nothing k3 computes are kept as they are. That includes
 `rope_theta` / `rope_scaling`: K3 is NoPE (`mla_use_nope` must be true), so under the released semantics
 no rotary embedding is built whatever they say; KDA has no positions either.
+
+A key the file lacks never takes K3's value for the field: `k3.absent_keys` says what each absent key means
+under the public code that reads the file (K3's extensions read as off, Kimi Linear's computation), or refuses
+the file naming the key where the public codes disagree. So a Kimi Linear config.json (`model_type:
+kimi_linear`, the flat layout transformers writes) reads as Kimi Linear, the second model family k3 builds.
 """
 
 import copy
@@ -27,6 +32,16 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from k3.absent_keys import (
+    KIMI_LINEAR_LATENT_NORM_EPS,
+    REQUIRED,
+    SITU_SCALES,
+    SPELLINGS,
+    file_key,
+    has_k3_keys,
+    resolve_absent,
+)
 
 
 class ConfigError(ValueError):
@@ -46,7 +61,7 @@ _LINEAR_ATTN_KEYS = {
     "use_full_rank_gate": "use_full_rank_gate",
 }
 # k3's own switches; not part of the released format, written under "k3" so a round trip keeps them.
-_K3_ONLY = ("residual", "mla_impl", "expert_quantization")
+_K3_ONLY = ("residual", "mla_impl", "expert_quantization", "mla_latent_norm_eps")
 
 # The released config.json around what K3Config interprets: the wrapper's keys, and text_config keys that
 # K3Config has no field for, with their released values. A config made in k3 writes these.
@@ -114,15 +129,10 @@ _ONE_WAY: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "num_nextn_predict_layers": ((0,), "k3 builds no multi-token-prediction layers"),
     "moe_layer_freq": ((1,), "every layer from first_k_dense_replace on is a MoE layer in k3"),
+    "attention_bias": ((False,), "k3's MLA projections have no bias"),
+    "attention_dropout": ((0, 0.0), "k3 applies no attention dropout"),
 }
 _ALIASES = {"scoring_func": "moe_router_activation_func", "n_group": "num_expert_group"}
-# DeepSeek's spellings of K3Config fields: accepted when they agree with the field k3 reads.
-_FIELD_ALIASES = {
-    "n_routed_experts": "num_experts",
-    "num_experts_per_tok": "num_experts_per_token",
-    "n_shared_experts": "num_shared_experts",
-    "norm_topk_prob": "moe_renormalize",
-}
 
 
 # The released vision_config (MoonViT-V2): the keys VisionConfig has no field for, with their released values.
@@ -314,13 +324,15 @@ class K3Config:
     num_experts: int = 896
     num_experts_per_token: int = 16
     num_shared_experts: int = 2
-    routed_expert_hidden_size: int = 3584
+    # the routed experts' latent width; None: full-width experts reading and writing hidden_size directly, with
+    # no down/up projection (Kimi Linear's and DeepSeek's MoE)
+    routed_expert_hidden_size: int | None = 3584
     moe_intermediate_size: int = 3072
     latent_moe_use_norm: bool = True
     moe_renormalize: bool = True
     routed_scaling_factor: float = 1.0
-    # Block Attention Residuals across depth
-    attn_res_block_size: int = 12
+    # Block Attention Residuals across depth; None: no blocks (only with residual "standard")
+    attn_res_block_size: int | None = 12
     # k3 switches: "attnres" or the plain-residual ablation "standard"; MLA "naive", "absorbed" or
     # "auto" (per call, the one with fewer FLOPs: absorbed when decoding)
     residual: str = "attnres"
@@ -328,6 +340,9 @@ class K3Config:
     # "mxfp4": routed experts compute with MXFP4 weights and MXFP8 (E4M3) inputs, fake-quantised in training
     # (quantisation-aware training) and packed in serving (SPEC §2.8, k3.quant.qat); None: full precision
     expert_quantization: str | None = None
+    # eps of MLA's q and kv latent RMSNorms; None: rms_norm_eps, as K3's code. Kimi Linear's code builds them
+    # with a fixed 1e-6, which from_hf sets for a Kimi Linear config (k3.absent_keys)
+    mla_latent_norm_eps: float | None = None
     # the vision encoder and projector (None: a text-only model); written as the top-level vision_config
     vision_config: VisionConfig | None = None
     # carried through unchanged: how the weights are stored (compressed-tensors; None: unquantised), and
@@ -362,9 +377,7 @@ class K3Config:
             "intermediate_size",
             "num_experts",
             "num_experts_per_token",
-            "routed_expert_hidden_size",
             "moe_intermediate_size",
-            "attn_res_block_size",
             "max_position_embeddings",
         ]
         for name in positive:
@@ -377,6 +390,19 @@ class K3Config:
                 self._fail(name, "must be a non-negative integer")
         if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
             self._fail("q_lora_rank", "must be a positive integer, or None for a plain q projection")
+        for name, none_means in (
+            ("routed_expert_hidden_size", "full-width experts"),
+            ("attn_res_block_size", "no AttnRes blocks"),
+        ):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                self._fail(name, f"must be a positive integer, or None for {none_means}")
+        if self.routed_expert_hidden_size is None and self.latent_moe_use_norm:
+            self._fail("latent_moe_use_norm", "normalises the experts' latent, but routed_expert_hidden_size is None")
+        if self.residual == "attnres" and self.attn_res_block_size is None:
+            self._fail("residual", "Block AttnRes needs attn_res_block_size; set it, or residual = 'standard'")
+        if self.mla_latent_norm_eps is not None and not self.mla_latent_norm_eps > 0:
+            self._fail("mla_latent_norm_eps", "must be positive, or None for rms_norm_eps")
         if self.num_experts_per_token > self.num_experts:
             self._fail("num_experts_per_token", f"must be at most num_experts = {self.num_experts}")
         if self.first_k_dense_replace > self.num_hidden_layers:
@@ -397,12 +423,12 @@ class K3Config:
                 "expert_quantization",
                 "must be None (full precision) or 'mxfp4' (MXFP4 expert weights, MXFP8 expert inputs)",
             )
-        widths = (self.routed_expert_hidden_size, self.moe_intermediate_size)
+        widths = (self.expert_width, self.moe_intermediate_size)
         if self.expert_quantization and any(w % 32 for w in widths):
             self._fail(
                 "expert_quantization",
                 f"quantises routed experts in MX blocks of 32 along their inputs, but "
-                f"their widths are {widths[0]} (latent) and {widths[1]} (hidden); both "
+                f"their widths are {widths[0]} (in and out) and {widths[1]} (hidden); both "
                 f"must be multiples of 32",
             )
         if not self.mla_use_nope:
@@ -437,12 +463,6 @@ class K3Config:
             if name in _ONE_WAY and value not in _ONE_WAY[name][0]:
                 supported, what = _ONE_WAY[name]
                 fail(key, f"{what}; supported: {' or '.join(map(repr, supported))}")
-            if key in _FIELD_ALIASES and value != getattr(self, _FIELD_ALIASES[key]):
-                fail(
-                    key,
-                    f"k3 reads {_FIELD_ALIASES[key]} (= {getattr(self, _FIELD_ALIASES[key])!r}); "
-                    "set that key instead, or the two to the same value",
-                )
         group_key = "n_group" if "n_group" in text else "num_expert_group"
         groups, chosen = text.get(group_key, 1), text.get("topk_group", 1)
         if text.get("use_grouped_topk", True) is not False and chosen < groups:
@@ -480,9 +500,25 @@ class K3Config:
 
     @property
     def attn_res_blocks(self) -> tuple[tuple[int, int], ...]:
-        """[start, end) layer ranges of the AttnRes blocks; the last one may be shorter."""
+        """[start, end) layer ranges of the AttnRes blocks; the last one may be shorter. Under standard residuals
+        (or attn_res_block_size None) there are no blocks."""
         n, L = self.attn_res_block_size, self.num_hidden_layers
+        if n is None or self.residual != "attnres":
+            return ()
         return tuple((s, min(s + n, L)) for s in range(0, L, n))
+
+    @property
+    def expert_width(self) -> int:
+        """The width a routed expert reads and writes: the latent, or hidden_size for full-width experts."""
+        return self.hidden_size if self.routed_expert_hidden_size is None else self.routed_expert_hidden_size
+
+    @property
+    def family(self) -> str:
+        """'k3', or 'kimi_linear' when the config.json this config writes has none of K3's keys: which public
+        code reads it, and so which release's layout an export follows (k3.hub.export)."""
+        text = self.to_hf()
+        text = text.get("text_config", text)
+        return "k3" if has_k3_keys(text, text.get("linear_attn_config") or {}) else "kimi_linear"
 
     @property
     def qk_head_dim(self) -> int:
@@ -490,9 +526,9 @@ class K3Config:
 
     def describe(self) -> str:
         """One line per layer: index (1-based), attention kind, FFN kind, AttnRes block."""
-        block_of = {i: b for b, (s, e) in enumerate(self.attn_res_blocks) for i in range(s, e)}
+        block_of = {i: f"  block {b + 1}" for b, (s, e) in enumerate(self.attn_res_blocks) for i in range(s, e)}
         return "\n".join(
-            f"{i + 1:>3}  {a.upper():<3}  {f:<5}  block {block_of[i] + 1}"
+            f"{i + 1:>3}  {a.upper():<3}  {f:<5}{block_of.get(i, '')}"
             for i, (a, f) in enumerate(zip(self.layer_types, self.ffn_types, strict=True))
         )
 
@@ -539,6 +575,7 @@ class K3Config:
         }
         if nested:
             del top["text_config"]
+        k3_keys = has_k3_keys(text, text.get("linear_attn_config") or {})  # which public code reads the file
         lin = text.pop("linear_attn_config", None) or {}
         kwargs: dict[str, Any] = {}
         for key, name in _LINEAR_ATTN_KEYS.items():
@@ -560,6 +597,17 @@ class K3Config:
                 raise ConfigError("quantization_config is both at the top level and in text_config: keep one")
             kwargs["quantization_config"] = top.pop("quantization_config")
             quantization_in = "top"
+        absent, missing = resolve_absent(kwargs, text, _READ_FIELDS)
+        if missing:
+            raise ConfigError(
+                f"config.json has no {', '.join(file_key(n) for n in missing)}: the public codes read an absent "
+                f"{'key' if len(missing) == 1 else 'one'} differently ("
+                + "; ".join(f"{n}: {REQUIRED.get(n, _SITU_WHY)}" for n in missing)
+                + "), so k3 will not guess; give the value (docs/checkpoints.md lists what every absent key means)"
+            )
+        kwargs.update(absent)
+        kwargs.setdefault("residual", "attnres" if kwargs["attn_res_block_size"] is not None else "standard")
+        kwargs.setdefault("mla_latent_norm_eps", None if k3_keys else KIMI_LINEAR_LATENT_NORM_EPS)
         kwargs["extra_hf"] = {
             "nested": nested,
             "top": top if nested else {},
@@ -568,7 +616,12 @@ class K3Config:
             "quantization_in": quantization_in,
             "order": order,
         }
+        # other spellings of fields, and transformers' layer lists: checked against the fields here, then written
+        # from them by to_hf (a config holds one value per field, so a changed field cannot disagree with them)
+        spelled = {k: text.pop(k) for k in list(text) if k in SPELLINGS or k in _LAYER_LISTS}
+        kwargs["extra_hf"]["spelled"] = list(spelled)
         config = cls(**kwargs)
+        _check_spellings(config, spelled)
         if kda_layers is not None:
             expected = [i + 1 for i, t in enumerate(config.layer_types) if t == "kda"]
             if list(kda_layers) != expected:
@@ -589,21 +642,30 @@ class K3Config:
         def had(section: str, key: str) -> bool:
             return order is not None and key in order[section]
 
-        def keep(section: str, key: str, value: Any, default: Any) -> bool:
-            """A field is written always for a config made in k3; else if the file had it or it changed."""
-            return order is None or had(section, key) or value != default
+        # keys that spell a field another way, or derive from one, hold its value now (a changed field is not
+        # left disagreeing with them); a field is then written where its absence would read as another value
+        text = self._respelled(dict(extra.get("text", {})))
+        meaning, _ = resolve_absent({"hidden_act": self.hidden_act}, text, _READ_FIELDS)
+        meaning.update(resolve_absent({}, text, ["hidden_act"])[0])
+        # SiTU's scales, unread under SwiGLU, keep the dataclass's values there (k3.absent_keys)
+        meaning.update({n: _DEFAULTS[n] for n in SITU_SCALES if self.hidden_act != "situ"})
+
+        def keep(section: str, key: str, name: str) -> bool:
+            """Written always for a config made in k3; else if the file had it, or its absence would mean
+            another value (a required field always)."""
+            value = getattr(self, name)
+            return order is None or had(section, key) or name not in meaning or value != meaning[name]
 
         lin = dict(extra.get("linear_attn", {}))
         for key, name in _LINEAR_ATTN_KEYS.items():
-            if keep("linear_attn", key, getattr(self, name), _DEFAULTS[name]):
+            if keep("linear_attn", key, name):
                 lin[key] = getattr(self, name)
         if order is None or had("linear_attn", "kda_layers"):
             lin["kda_layers"] = [i + 1 for i, t in enumerate(self.layer_types) if t == "kda"]
         if order is None or had("linear_attn", "full_attn_layers"):
             lin["full_attn_layers"] = [i + 1 for i in self.mla_layers]
-        text = dict(extra.get("text", {}))
         for name in sorted(_TEXT_FIELDS - {"quantization_config"}, key=_FIELD_ORDER.index):
-            if keep("text", name, getattr(self, name), _DEFAULTS[name]):
+            if keep("text", name, name):
                 text[name] = getattr(self, name)
         if order is None or had("text", "num_key_value_heads"):
             text["num_key_value_heads"] = self.num_attention_heads  # MLA: a key and a value per query head
@@ -613,13 +675,21 @@ class K3Config:
         quant_section = "top" if nested and extra.get("quantization_in") == "top" else "text"
         if self.quantization_config is not None or had(quant_section, "quantization_config"):
             (top if quant_section == "top" else text)["quantization_config"] = self.quantization_config
-        # a switch that defaults to None is written only when set, so older k3 sections read back unchanged
+        # what each switch's absence means for the file written (module docstring of k3.absent_keys)
+        implied = {
+            "residual": "attnres" if self.attn_res_block_size is not None else "standard",
+            "mla_impl": "auto",
+            "expert_quantization": None,
+            "mla_latent_norm_eps": None if has_k3_keys(text, lin) else KIMI_LINEAR_LATENT_NORM_EPS,
+        }
+        # a switch that defaults to None is written only when set (or its absence would mean a value), so older
+        # k3 sections read back unchanged
         k3_own = {
             name: getattr(self, name)
             for name in _K3_ONLY
-            if _DEFAULTS[name] is not None or getattr(self, name) is not None
+            if _DEFAULTS[name] is not None or getattr(self, name) is not None or getattr(self, name) != implied[name]
         }
-        if any(getattr(self, name) != _DEFAULTS[name] for name in _K3_ONLY) or had(home, "k3"):
+        if any(getattr(self, name) != implied[name] for name in _K3_ONLY) or had(home, "k3"):
             top["k3"] = k3_own
         text = _ordered(text, order["text"] if order else [])
         if not nested:
@@ -638,6 +708,14 @@ class K3Config:
             top["vision_config"] = vision
         return copy.deepcopy(_ordered(top, order["top"] if order else []))
 
+    def _respelled(self, text: dict[str, Any]) -> dict[str, Any]:
+        """A file's other text_config keys, with the other spellings of fields (k3.absent_keys.SPELLINGS) and
+        transformers' layer lists it had, from the fields as they are now."""
+        lists = _layer_lists(self)
+        for key in (self.extra_hf or {}).get("spelled", ()):
+            text[key] = lists[key] if key in lists else getattr(self, SPELLINGS[key])
+        return text
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_hf(), indent=2) + "\n")
 
@@ -655,6 +733,43 @@ _TEXT_FIELDS = {f.name for f in fields(K3Config)} - {
     *_K3_ONLY,
 }
 _DEFAULTS = {f.name: f.default for f in fields(K3Config) if f.default is not MISSING}
+# every field a config.json holds a key for, in the dataclass's order (what from_hf reads or resolves)
+_READ_FIELDS = [
+    f.name for f in fields(K3Config) if f.name in _TEXT_FIELDS | {"full_attn_layers", *_LINEAR_ATTN_KEYS.values()}
+]
+_SITU_WHY = "read under hidden_act 'situ', which has no public default for it"
+
+
+_LAYER_LISTS = ("layer_types", "mlp_layer_types")
+
+
+def _check_spellings(config: K3Config, spelled: dict[str, Any]) -> None:
+    """A file's other spellings of fields, and transformers' layer lists, must say what the fields say."""
+    lists = _layer_lists(config)
+    for key, value in spelled.items():
+        if key in lists:
+            name = "full_attn_layers" if key == "layer_types" else "first_k_dense_replace"
+            if value != lists[key]:
+                raise ConfigError(
+                    f"config.json text_config.{key} = {value!r}: transformers builds the layers from it, and it "
+                    f"disagrees with {file_key(name)} = {getattr(config, name)!r}, which k3 builds them from "
+                    f"(that is {lists[key]})"
+                )
+        elif value != getattr(config, SPELLINGS[key]):
+            raise ConfigError(
+                f"config.json text_config.{key} = {value!r}: k3 reads {file_key(SPELLINGS[key])} "
+                f"(= {getattr(config, SPELLINGS[key])!r}); set that key instead, or the two to the same value"
+            )
+
+
+def _layer_lists(config: K3Config) -> dict[str, list[str]]:
+    """transformers' per-layer lists for a config: `layer_types` (attention) and `mlp_layer_types` (FFN)."""
+    return {
+        "layer_types": ["full_attention" if t == "mla" else "linear_attention" for t in config.layer_types],
+        "mlp_layer_types": ["dense" if t == "dense" else "sparse" for t in config.ffn_types],
+    }
+
+
 _FIELD_ORDER = [f.name for f in fields(K3Config)]
 _VISION_DEFAULTS = {f.name: f.default for f in fields(VisionConfig) if f.default is not MISSING}
 

@@ -7,11 +7,16 @@
     generation_config.json       eos / pad / bos token ids
     tokenizer.json               the run's byte-level BPE, and tokenizer_config.json for HF loaders
 
+A Kimi Linear model (K3Config.family "kimi_linear": its config.json has none of K3's keys) is written in
+Kimi Linear's layout instead: its config.json flat as it was read (`KimiLinearForCausalLM`, `model_type:
+kimi_linear`, prefix `model` only) and A_log as [1, 1, num_heads, 1]; transformers' KimiLinearForCausalLM
+reads that folder.
+
 Tensors keep the dtype they have in the model (fp32 for k3 runs), except A_log, written padded to the
-released 128 values, and routed experts under --quantize mxfp4, written packed. The folder is written
-beside its destination under a hidden name, fsynced, then renamed into place: a failed export leaves
-nothing behind and an existing folder untouched (with force, it is replaced only once the new one is
-complete).
+released 128 values (K3) or in Kimi Linear's shape, and routed experts under --quantize mxfp4, written
+packed. The folder is written beside its destination under a hidden name, fsynced, then renamed into
+place: a failed export leaves nothing behind and an existing folder untouched (with force, it is replaced
+only once the new one is complete).
 """
 
 import copy
@@ -33,6 +38,7 @@ from k3.hub.layout import EXPERT_WEIGHT, release_name
 from k3.model.names import RELEASED_A_LOG_SIZE
 
 ARCHITECTURES = {"language_model": "KimiK3ForConditionalGeneration", "model": "KimiK3ForCausalLM"}
+KIMI_LINEAR_ARCHITECTURE = "KimiLinearForCausalLM"  # K3Config.family "kimi_linear": transformers' class
 MODEL_TYPE = "kimi_k3"
 QUANTIZE_FORMATS = (None, "mxfp4")  # how routed experts are written: dense, or packed as the release (MXFP4)
 
@@ -65,13 +71,18 @@ def release_tensors(
 
     if quantize not in QUANTIZE_FORMATS:
         raise ModelFolderError(f"quantize={quantize!r}: k3 writes only mxfp4 (or nothing)")
+    kimi_linear = config.family == "kimi_linear"
+    if kimi_linear and prefix != "model":
+        raise ModelFolderError(f"prefix {prefix!r}: a Kimi Linear folder is text-only, prefix 'model'")
     out = {}
     for name, t in state.items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
         t = t.detach().cpu().contiguous()
         key = release_name(name, prefix)
-        if name.endswith(".A_log") and t.shape[0] < RELEASED_A_LOG_SIZE:
+        if name.endswith(".A_log") and kimi_linear:
+            t = t.view(1, 1, -1, 1)  # Kimi Linear's shape
+        elif name.endswith(".A_log") and t.shape[0] < RELEASED_A_LOG_SIZE:
             t = torch.cat([t, t.new_zeros(RELEASED_A_LOG_SIZE - t.shape[0])])
         if quantize == "mxfp4" and EXPERT_WEIGHT.search(name):
             if t.shape[1] % BLOCK_SIZE:
@@ -121,7 +132,7 @@ def release_config(
     if config.eos_token_id is None and eos_id is not None:
         config = replace(config, eos_token_id=eos_id)
     top = config.to_hf()
-    top["architectures"] = [ARCHITECTURES[prefix]]
+    top["architectures"] = [KIMI_LINEAR_ARCHITECTURE if config.family == "kimi_linear" else ARCHITECTURES[prefix]]
     top.setdefault("model_type", MODEL_TYPE)
     text = top.get("text_config", top)
     name = str(dtype).removeprefix("torch.")

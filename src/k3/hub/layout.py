@@ -5,7 +5,10 @@ A K3Model's state_dict already carries the released names under the text-only pr
 - the prefix: text-only `model.` / `lm_head.`, or the multimodal release's `language_model.model.` /
   `language_model.lm_head.`, whose `vision_tower.*` and `mm_projector.*` are loaded into a model built with
   the config's vision_config (k3.model.vision), or skipped with text_only;
-- `A_log` padded to 128 values per KDA layer (the first num_heads used, the rest zero);
+- `A_log` padded to 128 values per KDA layer (the first num_heads used, the rest zero), or Kimi Linear's
+  [1, 1, num_heads, 1];
+- a transformers-saved Kimi Linear folder's dense first layer under the MoE's name
+  (`block_sparse_moe.gate_proj`, not `mlp.gate_proj`: TRANSFORMERS_DENSE);
 - MXFP4-packed routed experts: `experts.{e}.w1|w2|w3.weight_packed` uint8 [out, in/2] and
   `.weight_scale` uint8 [out, in/32] in place of `.weight` [out, in].
 `plan_load` decides all of it from the headers and the config alone, so every name and shape is checked
@@ -25,6 +28,10 @@ PREFIXES = {"model": "", "language_model": "language_model."}
 UNBUILT_PARTS = ("vision_tower.", "mm_projector.")  # multimodal parts, built only with a vision_config
 EXPERT_WEIGHT = re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# transformers (5.23+) saves a Kimi Linear model by undoing its load-time renames, one of which is
+# `.block_sparse_moe.` -> `.mlp.` for every layer; so the dense first layer's MLP comes back as
+# `block_sparse_moe.{gate,up,down}_proj`. In a dense layer that name is the `mlp.*` k3 builds.
+TRANSFORMERS_DENSE = re.compile(r"(layers\.\d+\.)block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
 
 
 def release_name(k3_name: str, prefix: str) -> str:
@@ -100,21 +107,27 @@ def plan_load(tensors: dict[str, TensorInfo], expected: dict[str, torch.Size], t
                 plan.placements[name] = Placement(target, kind)
                 break
         else:
+            dense = TRANSFORMERS_DENSE.sub(r"\1mlp.\2", k3_name)
+            if k3_name not in expected and dense in expected:
+                k3_name = dense
             if k3_name not in expected:
                 unknown.append(name)
                 continue
             shape = tuple(expected[k3_name])
             if info.dtype not in FLOAT_DTYPES:
                 wrong.append(f"{name}: dtype {info.dtype}, expected a floating-point tensor")
-            if (
-                k3_name.endswith(".A_log")
-                and info.shape in (shape, (RELEASED_A_LOG_SIZE,))
-                and shape[0] <= RELEASED_A_LOG_SIZE
+            if k3_name.endswith(".A_log") and (
+                info.shape in (shape, (1, 1, *shape, 1))
+                or (info.shape == (RELEASED_A_LOG_SIZE,) and shape[0] <= RELEASED_A_LOG_SIZE)
             ):
                 plan.placements[name] = Placement(k3_name, "a_log")
                 continue
             if info.shape != shape:
-                padded = f" or [{RELEASED_A_LOG_SIZE}] (padded)" if k3_name.endswith(".A_log") else ""
+                padded = (
+                    f" or [{RELEASED_A_LOG_SIZE}] (padded), or Kimi Linear's [1, 1, {shape[0]}, 1]"
+                    if k3_name.endswith(".A_log")
+                    else ""
+                )
                 wrong.append(f"{name}: shape {list(info.shape)}, the config gives {list(shape)}{padded}")
             plan.placements[name] = Placement(k3_name, "copy")
     for got in halves.values():

@@ -158,6 +158,7 @@ def load_model_folder(
                     if place.kind == "copy":
                         param.copy_(t)
                     elif place.kind == "a_log":
+                        t = t.reshape(-1)  # Kimi Linear's [1, 1, H, 1]
                         n = param.shape[0]
                         if t.shape[0] != n and t[n:].count_nonzero():
                             raise ModelFolderError(

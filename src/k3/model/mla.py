@@ -38,14 +38,16 @@ class GatedMLA(nn.Module):
         self.rank = config.kv_lora_rank
         self.impl = config.mla_impl
         self.scale = config.qk_head_dim**-0.5
+        # the latents' norms: rms_norm_eps in K3's code, a fixed 1e-6 in Kimi Linear's (K3Config.mla_latent_norm_eps)
+        eps = config.rms_norm_eps if config.mla_latent_norm_eps is None else config.mla_latent_norm_eps
         if config.q_lora_rank is None:
             self.q_proj = nn.Linear(d, H * config.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps)
             self.q_b_proj = nn.Linear(config.q_lora_rank, H * config.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.rank + self.rope, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.rank, eps)
         self.kv_b_proj = nn.Linear(self.rank, H * (self.nope + self.v_dim), bias=False)
         if config.mla_use_output_gate:
             self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)

@@ -2,7 +2,11 @@
 
     u = Σ_i w_i · Expert_i(W_down x)        y = Σ_j shared_j(x) + W_up · RMSNorm(u)
 
-Shape suffixes: T tokens, D model width, L latent width, E experts, K chosen per token, A assignments (T·K).
+With routed_expert_hidden_size None the experts are full width, as in Kimi Linear and DeepSeek-V3: they read
+and write x itself (no W_down, W_up or latent norm), y = Σ_j shared_j(x) + Σ_i w_i · Expert_i(x).
+
+Shape suffixes: T tokens, D model width, L latent width (D for full-width experts), E experts, K chosen per
+token, A assignments (T·K).
 """
 
 import itertools
@@ -35,15 +39,16 @@ class LatentMoE(nn.Module):
 
     def __init__(self, config: K3Config):
         super().__init__()
-        D, L = config.hidden_size, config.routed_expert_hidden_size
+        D, L = config.hidden_size, config.expert_width
         self.act = (config.hidden_act, config.activation_situ_beta, config.activation_situ_linear_beta)
         self.gate = Router(
             D, config.num_experts, config.num_experts_per_token, config.moe_renormalize, config.routed_scaling_factor
         )
-        self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
         self.experts = nn.ModuleList(Expert(L, config.moe_intermediate_size) for _ in range(config.num_experts))
-        self.routed_expert_norm = RMSNorm(L, config.rms_norm_eps) if config.latent_moe_use_norm else nn.Identity()
-        self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
+        if config.routed_expert_hidden_size is not None:  # the latent; full-width experts have none
+            self.routed_expert_down_proj = nn.Linear(D, L, bias=False)
+            self.routed_expert_norm = RMSNorm(L, config.rms_norm_eps) if config.latent_moe_use_norm else nn.Identity()
+            self.routed_expert_up_proj = nn.Linear(L, D, bias=False)
         self.quantization = config.expert_quantization  # None, or "mxfp4": MXFP4 weights, MXFP8 inputs
         if config.num_shared_experts:
             self.shared_experts = GatedMLP(D, config.moe_intermediate_size * config.num_shared_experts, *self.act)
@@ -52,7 +57,8 @@ class LatentMoE(nn.Module):
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         routing = self.gate(x_TD)
-        z_TL = self.routed_expert_down_proj(x_TD)
+        latent = hasattr(self, "routed_expert_down_proj")
+        z_TL = self.routed_expert_down_proj(x_TD) if latent else x_TD
         if torch.compiler.is_compiling() and self.plain_experts():
             # inside a compiled step: the experts behind one operator (their row counts decide the shapes of their
             # matmuls, which a graph cannot). Serving calls the C++ kernel itself where it loads, with no Python
@@ -83,7 +89,7 @@ class LatentMoE(nn.Module):
                 )
         else:
             u_TL = self.dispatch(z_TL, routing)
-        y_TD = self.routed_expert_up_proj(self.routed_expert_norm(u_TL))
+        y_TD = self.routed_expert_up_proj(self.routed_expert_norm(u_TL)) if latent else u_TL
         if hasattr(self, "shared_experts"):
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.view(shape), routing

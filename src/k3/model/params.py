@@ -172,13 +172,14 @@ def count_parameters(config: K3Config) -> dict[str, dict[str, int]]:
 
 def _moe_shapes(config: K3Config) -> dict[str, int]:
     """Per MoE layer, from the config: routed experts latent and at full width, and the latent path."""
-    d, L, I, E = config.hidden_size, config.routed_expert_hidden_size, config.moe_intermediate_size, config.num_experts
+    d, L, I, E = config.hidden_size, config.expert_width, config.moe_intermediate_size, config.num_experts
+    latent = config.routed_expert_hidden_size is not None  # full-width experts have no latent path
     return {
         "layers": config.ffn_types.count("moe"),
         "expert_latent": 3 * L * I,  # w1, w3: (I, L); w2: (L, I)
         "expert_full": 3 * d * I,  # the same expert reading and writing the full width d
-        "latent_matmul": 2 * d * L,  # routed_expert_down_proj (L, d) and routed_expert_up_proj (d, L)
-        "latent_norm": L if config.latent_moe_use_norm else 0,  # routed_expert_norm gain
+        "latent_matmul": 2 * d * L if latent else 0,  # routed_expert_down_proj (L, d) and routed_expert_up_proj (d, L)
+        "latent_norm": L if latent and config.latent_moe_use_norm else 0,  # routed_expert_norm gain
         "k": config.num_experts_per_token,
         "E": E,
     }
@@ -318,6 +319,8 @@ def format_report(report: dict[str, Any], source: str) -> str:
     )
     if cache["kda_state_in_mla_tokens"] is not None:
         lines.append(f"               = the MLA cache of {cache['kda_state_in_mla_tokens']:,.0f} tokens")
+    if report["components"]["latent_projections"]["total"] == 0:  # full-width experts already (Kimi Linear's)
+        return "\n".join(lines)
     lines += [
         "",
         "The same experts at full width (no latent, no down/up projection):",

@@ -54,7 +54,7 @@ def rank_memory(config: K3Config, ep: int, dp: int, micro_batch_tokens: int = 81
     opt += (rest["muon"] * FP32 + rest["adamw"] * 2 * FP32) / dp
     d, L, I, k = (
         config.hidden_size,
-        config.routed_expert_hidden_size,
+        config.expert_width,
         config.moe_intermediate_size,
         (config.num_experts_per_token),
     )
