@@ -14,28 +14,16 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from gguf_models import TRICKY, make_run, trained_tokenizer  # noqa: E402
 from k3 import K3Config, K3Model  # noqa: E402
 from k3.chat import render_text  # noqa: E402
 from k3.cli import main  # noqa: E402
-from k3.formats.tokenizer import SPECIAL_TOKENS, K3Tokenizer, byte_tokenizer, train_tokenizer  # noqa: E402
+from k3.formats.tokenizer import SPECIAL_TOKENS, K3Tokenizer, byte_tokenizer  # noqa: E402
 from k3.hub import ModelFolderError, load_pretrained  # noqa: E402
 from k3.hub.gguf import export_gguf, gguf_tensors, write_gguf  # noqa: E402
 from k3.hub.gguf_vocab import PRE_TOKENIZER, chat_template, gguf_vocab  # noqa: E402
 from k3.quant.mx import pack_mxfp4, unpack_mxfp4  # noqa: E402
 
-TRICKY = [
-    "def f(x):\n    return x**2  # square\n\n\tpass\n",
-    "Hello world!!  It's   we're they've I'm you'll he'd 'S DON'T x's it’s '''s",
-    "12345 3.14159 1,000,000 x2y3 ²³ ½ Ⅻ ٣٤ 一二三 0x1F",
-    "   leading and trailing   ",
-    "\n\n\n a\u00a0b a \u3000 b tab\t\tsep\r\n\r\n  \n  x \t x",
-    "naïve café 日本語のテキスト 한국어 Ελληνικά русский עברית العربية",
-    "emoji 👍🏽 🇺🇸 👨\u200d👩\u200d👧 e\u0301 a\u0308 $$$ ... --> <= !== ;;",
-    '{"key": [1, 2.5e-3, null], \'v\': "a b"}  \u2028\u2029\u0085end',
-    "",
-    " ",
-    "x",
-]
 # llama.cpp's \s (src/unicode-data.cpp, unicode_set_whitespace)
 WHITESPACE = {0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029}
 WHITESPACE |= {0x202F, 0x205F, 0x3000}
@@ -87,36 +75,6 @@ def byte_level(piece: str) -> str:
             table[b] = chr(0x100 + extra)
             extra += 1
     return "".join(table[b] for b in piece.encode())
-
-
-def trained_tokenizer() -> K3Tokenizer:
-    corpus = [t * 3 for t in TRICKY] + ["def g(y):\n    return y + 1\n" * 4, "the cat sat on the mat. " * 6]
-    return train_tokenizer(corpus * 4, vocab_size=400)
-
-
-def make_run(path: Path, tokenizer: K3Tokenizer | None = None, **overrides) -> Path:
-    """A tiny run folder whose AttnRes queries and router bias are random (zero at init: their terms would
-    vanish), with `tokenizer` in place of k3 init's byte tokenizer when given."""
-    args = ["init", "--preset", "tiny", "--out", str(path), "--seed", "3"]
-    assert main(args) == 0
-    from safetensors.torch import load_file, save_file
-
-    from k3.formats.checkpoint import _sha256, write_meta
-
-    step = path / "step_00000000"
-    tensors = load_file(step / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    for name, t in tensors.items():
-        if name.endswith(("_res_proj.weight", "e_score_correction_bias")):
-            tensors[name] = torch.randn(t.shape, generator=g) * 0.5
-    save_file(tensors, step / "model.safetensors", metadata={"format": "pt"})
-    meta = json.loads((step / "meta.json").read_text())
-    meta["sha256"]["model.safetensors"] = _sha256(step / "model.safetensors")
-    write_meta(step, meta)
-    if tokenizer is not None:
-        for found in path.rglob("tokenizer.json"):
-            tokenizer.save(found)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -380,7 +338,13 @@ def test_low_rank_gate_standard_residual_and_tied_embeddings():
     config = K3Config.from_preset("tiny", use_full_rank_gate=False, residual="standard", tie_word_embeddings=True)
     torch.manual_seed(0)
     state = K3Model(config).state_dict()
-    got = {name: (t, storage) for name, t, storage in gguf_tensors(state, config, "f32")}
+    written = list(gguf_tensors(state, config, "f32"))
+    got = {name: (t, storage) for name, t, storage in written}
+    assert len(got) == len(written)  # no name twice
+    untied = {
+        name for name, _, _ in gguf_tensors({k: v for k, v in state.items() if k != "lm_head.weight"}, config, "f32")
+    }
+    assert untied == set(got)
     a, b = state["model.layers.0.self_attn.g_a_proj.weight"], state["model.layers.0.self_attn.g_b_proj.weight"]
     assert torch.equal(got["blk.0.ssm_g.weight"][0], b.double() @ a.double())
     assert not any("res_score" in name for name in got)

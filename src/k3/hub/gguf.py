@@ -225,7 +225,7 @@ def gguf_tensors(
             yield _stored(f"blk.{i}.{gguf_name}", _res_score(res, f"{i}.{part}"), outtype)
     if config.residual == "attnres":
         yield _stored("output_res_score.weight", _res_score(res, ""), outtype)
-    if config.tie_word_embeddings:
+    if "lm_head.weight" not in state:  # tied: llama.cpp's kimi-k3 reads a head of its own
         yield _stored("output.weight", state["model.embed_tokens.weight"].detach().cpu(), outtype)
 
 
