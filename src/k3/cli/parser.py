@@ -13,6 +13,7 @@ from k3.cli.training import QUICKSTART_DEFAULTS, _add_train_flags, cmd_init, cmd
 from k3.config import PRESETS
 from k3.eval_lengths import EVAL_TASKS
 from k3.hub.export import QUANTIZE_FORMATS
+from k3.hub.gguf import OUTTYPES as GGUF_OUTTYPES
 from k3.hub.load import QUANTIZATIONS
 from k3.model.params import DEFAULT_CONTEXT
 from k3.ops.compute_dtype import CHOICES as DTYPE_CHOICES
@@ -180,9 +181,25 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--json", action="store_true", help="print one JSON object")
     evaluation.set_defaults(func=cmd_eval)
 
-    export = sub.add_parser("export", help="write a model folder in the release layout from a run or checkpoint")
+    export = sub.add_parser(
+        "export", help="write a model folder in the release layout, or a GGUF file for llama.cpp, from a run"
+    )
     export.add_argument("--ckpt", required=True, help="a run folder, a step_* folder or a model folder")
-    export.add_argument("--out", required=True, help="the model folder to write (must not exist, or be empty)")
+    export.add_argument(
+        "--out", required=True, help="the model folder to write (must not exist, or be empty), or the .gguf file"
+    )
+    export.add_argument(
+        "--format",
+        choices=["folder", "gguf"],
+        default="folder",
+        help="folder: the release layout (safetensors); gguf: one file for llama.cpp's kimi-k3 (needs k3[gguf])",
+    )
+    export.add_argument(
+        "--outtype",
+        choices=list(GGUF_OUTTYPES),
+        default=None,
+        help="--format gguf: f32 (default; computes as k3), bf16, or mxfp4 (bf16 with MXFP4 routed experts)",
+    )
     export.add_argument("--shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
     export.add_argument(
         "--quantize",

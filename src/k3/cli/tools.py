@@ -56,9 +56,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """A model folder in the release layout (config.json, sharded safetensors, tokenizer) from a run,
-    step or model folder, for vLLM, SGLang, llama.cpp's converter, or k3 itself."""
+    step or model folder, for vLLM, SGLang or k3 itself; or, with --format gguf, one GGUF file for llama.cpp."""
     from k3.hub import export_model, parse_size
 
+    if args.format == "gguf":
+        return _export_gguf(args)
+    if args.outtype is not None:
+        print("k3 export: --outtype is for --format gguf (a folder keeps the model's dtype)", file=sys.stderr)
+        return 2
     try:
         out = export_model(
             args.ckpt,
@@ -73,6 +78,30 @@ def cmd_export(args: argparse.Namespace) -> int:
     files = sorted(p.name for p in out.iterdir())
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     print(f"wrote {out}/ ({len(files)} files, {size:,} bytes of weights): {', '.join(files)}")
+    return 0
+
+
+def _export_gguf(args: argparse.Namespace) -> int:
+    from k3.hub.gguf import export_gguf
+
+    folder_only = {"--quantize": args.quantize is not None, "--prefix": args.prefix != "model"}
+    folder_only["--shard-size"] = args.shard_size != "5GB"
+    given = [flag for flag, set_ in folder_only.items() if set_]
+    if given:
+        print(
+            f"k3 export: {', '.join(given)} shape a model folder; with --format gguf choose the storage "
+            "with --outtype (mxfp4 packs the routed experts)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        out = export_gguf(args.ckpt, args.out, outtype=args.outtype or "f32", force=args.force)
+    except ImportError as e:
+        print(f"k3 export: {e}", file=sys.stderr)
+        return 2
+    except USER_ERRORS as e:
+        return _fail("export", e)
+    print(f"wrote {out} ({out.stat().st_size:,} bytes; llama.cpp architecture kimi-k3, {args.outtype or 'f32'})")
     return 0
 
 
