@@ -370,6 +370,9 @@ def test_errors_name_the_problem(run, exported, tmp_path, monkeypatch, capsys):
     odd = K3Config.from_preset("tiny", routed_expert_hidden_size=48)
     with pytest.raises(ModelFolderError, match="routed_expert_hidden_size = 48 is not a multiple of 32"):
         write_gguf(K3Model(odd).state_dict(), odd, tmp_path / "odd.gguf", "mxfp4", tmp_path / "none.json")
+    full_width = K3Config.from_preset("tiny", routed_expert_hidden_size=None, latent_moe_use_norm=False)
+    with pytest.raises(ModelFolderError, match="a Kimi Linear model"):
+        write_gguf(K3Model(full_width).state_dict(), full_width, tmp_path / "kl.gguf", "f32", tmp_path / "none.json")
     heads = K3Config.from_preset("tiny", kda_num_heads=4)
     with pytest.raises(ModelFolderError, match="kda_num_heads = 4 and num_attention_heads = 2"):
         write_gguf(K3Model(heads).state_dict(), heads, tmp_path / "h.gguf", "f32", tmp_path / "none.json")

@@ -101,6 +101,11 @@ def check_exportable(config: K3Config, outtype: str) -> None:
             f"kda_num_heads = {config.kda_num_heads} and num_attention_heads = {config.num_attention_heads}: "
             "llama.cpp's kimi-k3 reads one head count for KDA and MLA layers; they must be equal"
         )
+    if config.routed_expert_hidden_size is None or config.mla_latent_norm_eps is not None:
+        raise ModelFolderError(
+            "a Kimi Linear model (full-width experts, or MLA latent norms with their own eps): llama.cpp's "
+            "kimi-k3 computes K3's latent experts and norms; k3 writes no GGUF for its kimi-linear architecture"
+        )
     if config.hidden_act != "situ":
         raise ModelFolderError(f"hidden_act = {config.hidden_act!r}: llama.cpp's kimi-k3 computes SiTU-GLU only")
     widths = {"routed_expert_hidden_size": config.routed_expert_hidden_size}
