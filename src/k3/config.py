@@ -428,7 +428,8 @@ class K3Config:
             self._fail(
                 "expert_quantization",
                 f"quantises routed experts in MX blocks of 32 along their inputs, but "
-                f"their widths are {widths[0]} (in and out) and {widths[1]} (hidden); both "
+                f"their widths are {widths[0]} ({'latent' if self.routed_expert_hidden_size else 'model'}) "
+                f"and {widths[1]} (hidden); both "
                 f"must be multiples of 32",
             )
         if not self.mla_use_nope:
