@@ -1,12 +1,6 @@
-"""The tiny models the GGUF tests export: a k3 init run with random AttnRes queries and router bias, with its
-byte tokenizer or a trained one, and text that is hard to split the same way twice."""
+"""What the GGUF tests export besides tiny_runs.make_run: a trained tokenizer, and text that is hard to split the
+same way twice."""
 
-import json
-from pathlib import Path
-
-import torch
-
-from k3.cli import main
 from k3.formats.tokenizer import K3Tokenizer, train_tokenizer
 
 TRICKY = [
@@ -27,28 +21,3 @@ TRICKY = [
 def trained_tokenizer() -> K3Tokenizer:
     corpus = [t * 3 for t in TRICKY] + ["def g(y):\n    return y + 1\n" * 4, "the cat sat on the mat. " * 6]
     return train_tokenizer(corpus * 4, vocab_size=400)
-
-
-def make_run(path: Path, tokenizer: K3Tokenizer | None = None, **overrides) -> Path:
-    """A tiny run folder whose AttnRes queries and router bias are random (zero at init: their terms would
-    vanish), with `tokenizer` in place of k3 init's byte tokenizer when given."""
-    args = ["init", "--preset", "tiny", "--out", str(path), "--seed", "3"]
-    assert main(args) == 0
-    from safetensors.torch import load_file, save_file
-
-    from k3.formats.checkpoint import _sha256, write_meta
-
-    step = path / "step_00000000"
-    tensors = load_file(step / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    for name, t in tensors.items():
-        if name.endswith(("_res_proj.weight", "e_score_correction_bias")):
-            tensors[name] = torch.randn(t.shape, generator=g) * 0.5
-    save_file(tensors, step / "model.safetensors", metadata={"format": "pt"})
-    meta = json.loads((step / "meta.json").read_text())
-    meta["sha256"]["model.safetensors"] = _sha256(step / "model.safetensors")
-    write_meta(step, meta)
-    if tokenizer is not None:
-        for found in path.rglob("tokenizer.json"):
-            tokenizer.save(found)
-    return path

@@ -14,7 +14,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_models import TRICKY, make_run, trained_tokenizer  # noqa: E402
+from gguf_models import TRICKY, trained_tokenizer  # noqa: E402
 from k3 import K3Config, K3Model  # noqa: E402
 from k3.chat import render_text  # noqa: E402
 from k3.cli import main  # noqa: E402
@@ -23,6 +23,7 @@ from k3.hub import ModelFolderError, load_pretrained  # noqa: E402
 from k3.hub.gguf import export_gguf, gguf_tensors, write_gguf  # noqa: E402
 from k3.hub.gguf_vocab import PRE_TOKENIZER, chat_template, gguf_vocab  # noqa: E402
 from k3.quant.mx import pack_mxfp4, unpack_mxfp4  # noqa: E402
+from tiny_runs import make_run  # noqa: E402
 
 # llama.cpp's \s (src/unicode-data.cpp, unicode_set_whitespace)
 WHITESPACE = {0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029}

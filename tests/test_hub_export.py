@@ -13,6 +13,7 @@ from k3.cli import main
 from k3.formats.tokenizer import SPECIAL_TOKENS
 from k3.hub import ModelFolderError, export_model, load_pretrained, parse_size, read_header
 from k3.quant.mx import pack_mxfp4, unpack_mxfp4
+from tiny_runs import make_run
 
 IDS = torch.tensor([[3, 70, 101, 9, 250, 44, 12, 0, 200, 17, 5, 66, 31]])
 
@@ -21,23 +22,7 @@ IDS = torch.tensor([[3, 70, 101, 9, 250, 44, 12, 0, 200, 17, 5, 66, 31]])
 def run(tmp_path_factory) -> Path:
     """A tiny run folder (k3 init: random weights, byte tokenizer), with non-trivial AttnRes queries and
     router bias so every tensor matters."""
-    path = tmp_path_factory.mktemp("run") / "run"
-    assert main(["init", "--preset", "tiny", "--out", str(path), "--seed", "3"]) == 0
-    step = path / "step_00000000"
-    from safetensors.torch import load_file, save_file
-
-    from k3.formats.checkpoint import _sha256, write_meta
-
-    tensors = load_file(step / "model.safetensors")
-    g = torch.Generator().manual_seed(0)
-    for name, t in tensors.items():
-        if name.endswith(("_res_proj.weight", "e_score_correction_bias")):
-            tensors[name] = torch.randn(t.shape, generator=g) * 0.5
-    save_file(tensors, step / "model.safetensors", metadata={"format": "pt"})
-    meta = json.loads((step / "meta.json").read_text())
-    meta["sha256"]["model.safetensors"] = _sha256(step / "model.safetensors")
-    write_meta(step, meta)
-    return path
+    return make_run(tmp_path_factory.mktemp("run") / "run")
 
 
 def logits(model) -> torch.Tensor:
