@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.cli import main
-from k3.data.synthetic import eval_set
+from k3.data.synthetic import DEFAULT_QUERIES, eval_set
 from k3.eval import score_tokens
 from k3.eval_lengths import chunked_logits, lm_loss, parse_lengths, task_accuracy
 from k3.formats.tokenizer import byte_tokenizer
@@ -62,6 +62,43 @@ def test_accuracy_counts_exactly_the_solved_examples(model):
     assert result.accuracy == 1.0
 
 
+class Favours(torch.nn.Module):
+    """A stub whose logits at position p favour the token `favoured[:, p + 1]`: a model that predicts exactly
+    the sequences it is given (the true ones, or ones with answers changed); its rows are the whole batch, so
+    it is called with one batch of every example."""
+
+    def __init__(self, config, favoured: torch.Tensor):
+        super().__init__()
+        self.config, self.favoured = config, favoured
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids, cache=None, logits_at=None):
+        positions = cache.seq_len + logits_at
+        cache.seq_len += ids.shape[1]
+        return K3Output(F.one_hot(self.favoured[:, positions + 1], self.config.vocab_size).double())
+
+
+def test_mqar_accuracy_is_the_fraction_of_queries_answered(model):
+    tok = byte_tokenizer()
+    exs = eval_set("mqar", 300, 3, tok, pairs=6)
+    truth = torch.tensor([ex.tokens for ex in exs])
+    result = task_accuracy(Favours(model.config, truth), tok, "mqar", 300, 3, batch_size=3, chunk_tokens=64, pairs=6)
+    assert result.accuracy == 1.0 and result.examples == 3
+    # right on each example's first query only: one wrong digit in every later answer
+    first_only = truth.clone()
+    for row, ex in enumerate(exs):
+        for _, end in ex.spans[1:]:
+            first_only[row, end - 1] = tok.encode("x")[0]
+    stub = Favours(model.config, first_only)
+    result = task_accuracy(stub, tok, "mqar", 300, 3, batch_size=3, chunk_tokens=300, pairs=6)
+    assert len(exs[0].spans) == DEFAULT_QUERIES
+    assert result.accuracy == pytest.approx(1 / DEFAULT_QUERIES)
+    # a wrong token between answers (a query line) is not an answer and does not count
+    between = truth.clone()
+    between[:, exs[0].spans[1][0] - 3] = tok.encode("x")[0]
+    assert task_accuracy(Favours(model.config, between), tok, "mqar", 300, 3, pairs=6).accuracy == 1.0
+
+
 def test_task_accuracy_of_a_model_is_its_uncached_greedy_answer(model):
     tok = byte_tokenizer()
     exs = eval_set("count", 200, 3, tok)
@@ -99,6 +136,17 @@ def test_cli_task_by_length_json_and_errors(tmp_path, capsys):
     assert all(r["examples"] == 3 and 0 <= r["accuracy"] <= 1 for r in out["results"])
     assert main(["eval", "--model", str(run), "--task", "retrieval", "--lengths", "9000"]) == 2
     assert "longer than this model's context of 4,096" in capsys.readouterr().err
+    assert main(["eval", "--model", str(run), "--task", "mqar", "--lengths", "300", "--pairs", "6", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["results"]
+    assert row["task"] == "mqar" and row["length"] == 300 and 0 <= row["accuracy"] <= 1
+    assert main(["eval", "--model", str(run), "--task", "mqar", "--lengths", "300", "--pairs", "40"]) == 2
+    assert "mqar with 40 pairs and 4 queries takes" in capsys.readouterr().err
+    assert main(["eval", "--model", str(run), "--task", "mqar", "--pairs", "0"]) == 2
+    assert "--pairs must be at least 1" in capsys.readouterr().err
+    assert main(["eval", "--model", str(run), "--task", "retrieval", "--pairs", "6"]) == 2
+    assert "does nothing for --task retrieval: drop it or use --task mqar" in capsys.readouterr().err
+    assert main(["eval", "--model", str(run), "--data", str(run), "--pairs", "6"]) == 2
+    assert "does nothing for perplexity" in capsys.readouterr().err
     assert main(["eval", "--model", str(run), "--task", "count", "--lengths", "2k"]) == 2
     assert "comma-separated" in capsys.readouterr().err
     assert main(["eval", "--model", str(run)]) == 2

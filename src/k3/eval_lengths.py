@@ -1,8 +1,10 @@
-"""Accuracy or loss by context length (`k3 eval --task retrieval|multihop|count|lm --lengths 512,2048,...`).
+"""Accuracy or loss by context length (`k3 eval --task retrieval|multihop|count|mqar|lm --lengths 512,2048,...`).
 
 Tasks (k3.data.synthetic, held-out split): an example of L tokens ends with its answer; it counts as
 solved when the model's greedy choice (argmax of the logits) is the right token at every answer
 position, given the true tokens before it, which is what greedy decoding of the answer would produce.
+mqar has one answer per query: each is scored the same way (teacher-forced: the context holds the
+earlier queries with their true answers), and accuracy is the fraction of all queries answered.
 `lm`: nats per token over windows of L + 1 tokens of text (each predicts its last L tokens), and the
 same over the window's last quarter, where the context is longest.
 
@@ -33,7 +35,7 @@ class LengthResult:
     task: str
     length: int
     examples: int  # examples (or lm windows) scored
-    accuracy: float | None  # tasks: the fraction solved
+    accuracy: float | None  # tasks: the fraction solved (mqar: of the queries of all examples)
     nats_per_token: float | None  # lm: over every predicted token of a window
     late_nats_per_token: float | None  # lm: over each window's last quarter
     seconds: float
@@ -70,23 +72,26 @@ def task_accuracy(
     examples: int,
     batch_size: int = 4,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    pairs: int | None = None,
 ) -> LengthResult:
-    """The fraction of the held-out examples 0 .. examples-1 of `task` at `length` the model solves."""
+    """The fraction of the answers in the held-out examples 0 .. examples-1 of `task` at `length` the model
+    gets right: one per example, or (mqar) one per query; pairs: mqar's bindings (default: as many as fit)."""
     t0 = time.perf_counter()
     device = next(model.parameters()).device
-    exs = eval_set(task, length, examples, tokenizer)
-    solved = 0
+    exs = eval_set(task, length, examples, tokenizer, **({} if pairs is None else {"pairs": pairs}))
+    solved = answers = 0
     for i in range(0, len(exs), batch_size):
         group = exs[i : i + batch_size]
         ids = torch.tensor([ex.tokens for ex in group], device=device)
-        # examples of one length may differ in answer length (count: " 3" vs " 12"); score each span
+        # examples of one length may differ in where answers start (count: " 3" vs " 12"); score each span
         first = min(ex.answer_start for ex in group)
         logits = chunked_logits(model, ids, list(range(first - 1, length - 1)), chunk_tokens)
-        guess = logits.argmax(-1)  # (B, positions)
+        guess = logits.argmax(-1)  # (B, positions): guess[:, j] is the guess for token first + j
         for row, ex in enumerate(group):
-            span = guess[row, ex.answer_start - first :]
-            solved += bool((span == ids[row, ex.answer_start :]).all())
-    return LengthResult(task, length, len(exs), solved / len(exs), None, None, time.perf_counter() - t0)
+            for start, end in ex.spans:
+                solved += bool((guess[row, start - first : end - first] == ids[row, start:end]).all())
+                answers += 1
+    return LengthResult(task, length, len(exs), solved / answers, None, None, time.perf_counter() - t0)
 
 
 def lm_loss(
@@ -134,6 +139,17 @@ def parse_lengths(text: str) -> list[int]:
     return lengths
 
 
+def check_pairs(task: str | None, pairs: int | None) -> None:
+    """A readable error for --pairs where it means nothing: it sets mqar's bindings per example only."""
+    if pairs is not None and task != "mqar":
+        raise ValueError(
+            f"--pairs sets the bindings per example of --task mqar; it does nothing for "
+            f"{'--task ' + task if task else 'perplexity'}: drop it or use --task mqar"
+        )
+    if pairs is not None and pairs < 1:
+        raise ValueError(f"--pairs must be at least 1, got {pairs}")
+
+
 def lm_tokens(data: str | Path | None, pretrained, tokenizer) -> np.ndarray:
     """The text `lm` is scored on: --data (files, tokenised as training packs them), or else the validation
     tokens of the run the checkpoint belongs to."""
@@ -157,13 +173,16 @@ def evaluate_lengths(
     data: str | Path | None = None,
     device: str = "cpu",
     text_only: bool = False,
+    pairs: int | None = None,
     log=None,
 ) -> list[LengthResult]:
-    """`task` at each of `lengths` for a model, run or step folder; `log(result)` after each length."""
+    """`task` at each of `lengths` for a model, run or step folder; `log(result)` after each length.
+    pairs: mqar's bindings per example (default: as many as fit each length)."""
     from k3.hub import load_pretrained, load_tokenizer
 
     if task not in EVAL_TASKS:
         raise ValueError(f"--task {task!r}: choose one of {', '.join(EVAL_TASKS)}")
+    check_pairs(task, pairs)
     if examples < 1 or batch_size < 1 or chunk_tokens < 1:
         raise ValueError(
             f"--examples, --batch-size and --chunk-tokens must be at least 1, got {examples}, "
@@ -184,7 +203,9 @@ def evaluate_lengths(
         if task == "lm":
             result = lm_loss(pretrained.model, stream, length, examples, chunk_tokens, batch_size)
         else:
-            result = task_accuracy(pretrained.model, tokenizer, task, length, examples, batch_size, chunk_tokens)
+            result = task_accuracy(
+                pretrained.model, tokenizer, task, length, examples, batch_size, chunk_tokens, pairs=pairs
+            )
         results.append(result)
         if log is not None:
             log(result)

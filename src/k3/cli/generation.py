@@ -158,7 +158,12 @@ def _packed_experts_line(model) -> str:
 def cmd_eval(args: argparse.Namespace) -> int:
     """Perplexity (and nats per token) of a model on a text file or a folder of them."""
     from k3.eval import evaluate
+    from k3.eval_lengths import check_pairs
 
+    try:
+        check_pairs(args.task, args.pairs)
+    except ValueError as e:
+        return _fail("eval", e)
     if args.task is not None:
         return _eval_lengths(args)
     try:
@@ -209,6 +214,7 @@ def _eval_lengths(args: argparse.Namespace) -> int:
             data=args.data,
             device=_device(args.device),
             text_only=args.text_only,
+            pairs=args.pairs,
             log=None if args.json else show,
         )
     except KeyboardInterrupt:

@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--examples", type=int, default=20, help="with --task: examples (lm: windows) per length (default 20)"
     )
     evaluation.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help="with --task mqar: key-value bindings per example (default: as many as fit each length)",
+    )
+    evaluation.add_argument(
         "--chunk-tokens",
         type=int,
         default=1024,

@@ -1,6 +1,6 @@
 """Synthetic long-range tasks (SPEC §2.9): answers that need facts scattered across the whole context.
 
-Three tasks, each a Python-looking block of indented lines, then a query line, then the answer:
+Four tasks, each a Python-looking block of indented lines, then a query line, then the answer:
 
 - retrieval: every line binds a random 4-letter key to a 4-digit value (`    qvzx = 4821`); the
   query asks for one key's value (`    assert qvzx ==` -> ` 4821`). Every other line is a distractor
@@ -9,12 +9,21 @@ Three tasks, each a Python-looking block of indented lines, then a query line, t
   shuffled over the context among the lines of distractor chains; the query names a chain's first key.
 - count: lines `    log("abcd")` and, 1 .. max_count of them, `    hit("abcd")` anywhere; the
   answer is how many hits (`    assert hits ==` -> ` 3`): an aggregate over the whole context.
+- mqar (multi-query associative recall, as in Zoology/Based): `pairs` bindings `    qvzx = 4821` with
+  distinct keys, then `queries` query lines each followed by its answer (`    assert qvzx ==` -> ` 4821`,
+  a newline between one answer and the next query), the queried keys distinct, drawn from the pairs, in
+  random order. Every pair may be asked for, so the context must be held whole: a fixed-size recurrent
+  state (KDA) runs out as `pairs` grows at a fixed length, attention (MLA) does not. `pairs` defaults to as
+  many as fit the length (the context is all bindings, as in retrieval); a smaller `pairs` leaves newline
+  padding in front, so a sweep over `pairs` at one length varies only how much must be remembered.
 
 An example is defined by its tokens (each line tokenised alone and concatenated, so the length is
 exact): `length` tokens in all, the last `len(answer)` of them the answer, padded at the front with
-newline tokens where the last line did not fit. Everything is a function of (task, split, length,
-seed): `split` "train" and "eval" draw from disjoint random streams, so a held-out set per length is
-`eval_set(task, length, n, tokenizer)` and training never sees it.
+newline tokens where the last line did not fit. An mqar example has one answer span per query, the last
+at the end; each is scored given the true tokens before it, earlier queries' answers included.
+Everything is a function of (task, split, length, seed): `split` "train" and "eval" draw from disjoint
+random streams, so a held-out set per length is `eval_set(task, length, n, tokenizer)` and training never
+sees it.
 
 `SyntheticMix` replaces a fixed fraction of training sequences with examples, chosen by data position,
 so a resumed run reads exactly the same mix.
@@ -27,7 +36,11 @@ from dataclasses import dataclass
 
 import torch
 
-TASKS = ("retrieval", "multihop", "count")
+TASKS = ("retrieval", "multihop", "count", "mqar")
+# what `k3 train --synthetic-ratio` mixes in: the tasks that were there before mqar, so that a run's mix
+# (and the measurements made with it) stays as it was; SyntheticMix takes mqar when asked by name
+MIX_TASKS = ("retrieval", "multihop", "count")
+DEFAULT_QUERIES = 4
 SPLITS = ("train", "eval")
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 INDENT = "    "
@@ -42,11 +55,19 @@ class SyntheticExample:
     task: str
     tokens: list[int]  # the prompt followed by the answer, exactly `length` ids
     answer_start: int  # index of the first answer token
-    answer: str  # the answer as text (" 4821")
+    answer: str  # the answer as text (" 4821"); mqar: every query's answer, concatenated in order
+    # mqar: (start, end) token indices of each query's answer, in order; the other tasks: empty, their one
+    # answer is tokens[answer_start:]
+    answer_spans: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """(start, end) of every answer, in order: what scoring checks, one span for every task but mqar."""
+        return self.answer_spans or ((self.answer_start, len(self.tokens)),)
 
     @property
     def answer_tokens(self) -> list[int]:
-        return self.tokens[self.answer_start :]
+        return [t for start, end in self.spans for t in self.tokens[start:end]]
 
 
 def _rng(task: str, split: str, length: int, seed: int) -> random.Random:
@@ -92,13 +113,22 @@ def _fill(units: list[list[str]], more, budget: int, encode) -> list[list[int]]:
 
 
 def make_example(
-    task: str, length: int, tokenizer, seed: int = 0, split: str = "eval", hops: int = 2, max_count: int | None = None
+    task: str,
+    length: int,
+    tokenizer,
+    seed: int = 0,
+    split: str = "eval",
+    hops: int = 2,
+    max_count: int | None = None,
+    pairs: int | None = None,
+    queries: int = DEFAULT_QUERIES,
 ) -> SyntheticExample:
     """One example of `task` exactly `length` tokens long (tokenizer: anything with `encode(str) -> ids`).
 
     hops: key -> key links before the value in multihop (2: key -> key -> value); max_count: the most
     marked lines in count (the answer is uniform in 1 .. max_count; default min(9, length // 64), so
-    that short sequences have room for the context around the marked lines)."""
+    that short sequences have room for the context around the marked lines); pairs, queries: mqar's
+    bindings (default: as many as fit) and queries."""
     if max_count is None:
         max_count = min(9, max(1, length // 64))
     if task not in TASKS:
@@ -107,6 +137,8 @@ def make_example(
         raise SyntheticError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     if hops < 1 or max_count < 1:
         raise SyntheticError(f"hops and max_count must be at least 1, got {hops} and {max_count}")
+    if task != "mqar" and pairs is not None:
+        raise SyntheticError(f"pairs is a parameter of the mqar task, not of {task}")
     rng = _rng(task, split, length, seed)
     name = _Names(rng)
     encode = tokenizer.encode
@@ -114,6 +146,8 @@ def make_example(
     def value() -> str:
         return str(rng.randrange(1000, 10000))
 
+    if task == "mqar":
+        return _mqar(length, encode, name, value, rng, pairs, queries)
     if task == "retrieval":
         key, answer = name(), " " + value()
         required = [[f"{INDENT}{key} ={answer}\n"]]
@@ -153,6 +187,48 @@ def make_example(
     return SyntheticExample(task, tokens, len(tokens) - len(answer_ids), answer)
 
 
+def _mqar(length: int, encode, name, value, rng: random.Random, pairs: int | None, queries: int) -> SyntheticExample:
+    """An mqar example (see the module docstring): the bindings, shuffled, then the queries with answers."""
+    if queries < 1 or (pairs is not None and pairs < queries):
+        raise SyntheticError(
+            f"mqar needs at least 1 query and at least as many pairs as queries, got {pairs} pairs and "
+            f"{queries} queries"
+        )
+    # the queried pairs come first and are always in; the others only fill the context
+    asked = [(name(), " " + value()) for _ in range(queries)]
+    tail: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for i, (key, answer) in enumerate(asked):
+        tail += encode(f"{INDENT}assert {key} ==")
+        answer_ids = encode(answer)
+        spans.append((len(tail), len(tail) + len(answer_ids)))
+        tail += answer_ids + (encode("\n") if i < queries - 1 else [])
+    required = [[f"{INDENT}{key} ={answer}\n"] for key, answer in asked]
+
+    def more() -> list[str]:
+        return [f"{INDENT}{name()} = {value()}\n"]
+
+    budget = length - len(tail)
+    if pairs is None:
+        lines = _fill(required, more, budget, encode)
+    else:
+        units = required + [more() for _ in range(pairs - queries)]
+        lines = [encode(line) for unit in units for line in unit]
+        used = sum(map(len, lines))
+        if used > budget:
+            raise SyntheticError(
+                f"mqar with {pairs} pairs and {queries} queries takes {used + len(tail)} tokens, more than the "
+                f"length of {length}: choose fewer pairs or a longer length"
+            )
+    rng.shuffle(lines)  # the queried bindings land anywhere among the others
+    body = [t for line in lines for t in line]
+    prompt = encode("\n") * (budget - len(body)) + body
+    tokens = prompt + tail
+    spans = [(len(prompt) + start, len(prompt) + end) for start, end in spans]
+    answer = "".join(answer for _, answer in asked)
+    return SyntheticExample("mqar", tokens, spans[0][0], answer, tuple(spans))
+
+
 def eval_set(task: str, length: int, count: int, tokenizer, **kwargs) -> list[SyntheticExample]:
     """The held-out examples 0 .. count-1 of `task` at `length` (split "eval": never used in training)."""
     return [make_example(task, length, tokenizer, seed=i, split="eval", **kwargs) for i in range(count)]
@@ -170,7 +246,7 @@ class SyntheticMix:
     Whether data position p is synthetic, and which task and example it holds, depend only on
     (seed, p): the mix is the same on every machine and after a resume."""
 
-    def __init__(self, tokenizer, ratio: float, seed: int = 0, tasks: tuple[str, ...] = TASKS):
+    def __init__(self, tokenizer, ratio: float, seed: int = 0, tasks: tuple[str, ...] = MIX_TASKS):
         if not 0 <= ratio <= 1:
             raise SyntheticError(f"the synthetic ratio must be in [0, 1], got {ratio}")
         unknown = [t for t in tasks if t not in TASKS]
