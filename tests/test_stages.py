@@ -27,6 +27,32 @@ def test_parse_and_stage_boundaries():
         TrainArgs(out="x", stages="1024")
     with pytest.raises(ValueError, match="--synthetic-ratio"):
         TrainArgs(out="x", synthetic_ratio=2.0)
+    for tasks in ("mqar,recall", "mqar,mqar", ","):
+        with pytest.raises(ValueError, match=r"--synthetic-tasks .*: name each task once, from retrieval"):
+            TrainArgs(out="x", synthetic_ratio=0.5, synthetic_tasks=tasks)
+    with pytest.raises(ValueError, match="there is no --synthetic-ratio"):
+        TrainArgs(out="x", synthetic_tasks="mqar")
+
+
+def test_synthetic_tasks_choose_the_mix(tmp_path):
+    """--synthetic-tasks mqar: every replaced sequence of the run's batches is an mqar example, recorded in run.json."""
+    args = tiny_train_args(tmp_path)
+    args[args.index("--seq-len") + 1] = "256"
+    args[args.index("--steps") + 1] = "1"
+    run = tmp_path / "run"
+    # 256 tokens: with this 300-token vocabulary mqar's four queries and their bindings take 143
+    flags = [*args, "--val-fraction", "0.3", "--synthetic-ratio", "1", "--synthetic-tasks", "mqar", "--out", str(run)]
+    assert main(flags) == 0
+    assert json.loads((run / "run.json").read_text())["flags"]["synthetic_tasks"] == "mqar"
+    from k3.cli import _train_args, build_parser
+
+    trainer = Trainer(_train_args(build_parser().parse_args([*flags, "--resume"])))
+    mix = trainer.batches.mix
+    assert mix.tasks == ("mqar",)
+    batch = trainer.batches.batch(0, 0)
+    for row, position in zip(batch, range(len(batch)), strict=True):
+        example = mix.example_at(position, 256)
+        assert example.task == "mqar" and row.tolist() == example.tokens
 
 
 def test_batches_keep_the_tokens_per_micro_batch_across_stages():

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 
 TASKS = ("retrieval", "multihop", "count", "mqar")
-# what `k3 train --synthetic-ratio` mixes in: the tasks that were there before mqar, so that a run's mix
-# (and the measurements made with it) stays as it was; SyntheticMix takes mqar when asked by name
+# what `k3 train --synthetic-ratio` mixes in by default (`--synthetic-tasks` names others): the tasks that were
+# there before mqar, so that a run's mix (and the measurements made with it) stays as it was
 MIX_TASKS = ("retrieval", "multihop", "count")
 DEFAULT_QUERIES = 4
 SPLITS = ("train", "eval")

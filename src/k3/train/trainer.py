@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from k3.config import EXPERT_QUANTIZATIONS, PRESETS, K3Config
-from k3.data.synthetic import SyntheticMix
+from k3.data.synthetic import MIX_TASKS, TASKS, SyntheticMix
 from k3.formats.checkpoint import CheckpointError, config_diff
 from k3.formats.files import atomic_write
 from k3.formats.run_args import RunArgs, arg
@@ -126,8 +126,13 @@ class TrainArgs(RunArgs):
     )
     synthetic_ratio: float = arg(
         0.0,
-        "fraction of training sequences replaced by synthetic long-range tasks (k3.data.synthetic: retrieval, "
-        "multihop, count) of the sequence's length",
+        "fraction of training sequences replaced by synthetic long-range tasks (k3.data.synthetic) of the "
+        "sequence's length",
+    )
+    synthetic_tasks: str = arg(
+        ",".join(MIX_TASKS),
+        f"with --synthetic-ratio: the tasks mixed in, comma-separated, from {', '.join(TASKS)} (mqar: multi-query "
+        "associative recall with as many bindings as fit)",
     )
     activation_checkpointing: bool = arg(
         False,
@@ -146,6 +151,11 @@ class TrainArgs(RunArgs):
         recorded=False,
     )
     ep: int = arg(1, "with several processes: split the routed experts over groups of this many ranks", recorded=False)
+
+    @property
+    def synthetic_task_list(self) -> tuple[str, ...]:
+        """--synthetic-tasks as a tuple of task names."""
+        return tuple(t.strip() for t in self.synthetic_tasks.split(",") if t.strip())
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -170,6 +180,14 @@ class TrainArgs(RunArgs):
             parse_stages(self.stages)
         if not 0 <= self.synthetic_ratio <= 1:
             raise ValueError(f"--synthetic-ratio must be between 0 and 1, got {self.synthetic_ratio}")
+        tasks = self.synthetic_task_list
+        unknown = [t for t in tasks if t not in TASKS]
+        if unknown or not tasks or len(set(tasks)) != len(tasks):
+            raise ValueError(
+                f"--synthetic-tasks {self.synthetic_tasks!r}: name each task once, from {', '.join(TASKS)}"
+            )
+        if self.synthetic_ratio == 0 and tasks != MIX_TASKS:
+            raise ValueError("--synthetic-tasks chooses what --synthetic-ratio mixes in; there is no --synthetic-ratio")
         if self.text_only and self.init_from is None:
             raise ValueError("--text-only applies to --init-from; there is no --init-from")
 
@@ -246,7 +264,9 @@ class Trainer:
             self.tokenizer = prepare_tokenizer(folder.path, train_docs, args.vocab_size)
         folder.record_tokenizer()
         self.train_data = self._sequences("train", train_docs, args.seed)
-        mix = SyntheticMix(self.tokenizer, args.synthetic_ratio, args.seed) if args.synthetic_ratio > 0 else None
+        mix = None
+        if args.synthetic_ratio > 0:
+            mix = SyntheticMix(self.tokenizer, args.synthetic_ratio, args.seed, args.synthetic_task_list)
         stages = parse_stages(args.stages) if args.stages else None
         self.batches = TrainBatches(self.train_data, args.batch_size, stages, mix)
         val = self._sequences("val", val_docs, 0)
