@@ -4,7 +4,10 @@ Every script takes `--quick` (a reduced version for the slow test, minutes) and 
 runs/evidence/<name>/, or runs/evidence-quick/<name>/ with --quick). Each unit of work (one rule, one
 seed, one training run) stores its result in DIR/results.json as soon as it finishes; a rerun skips
 what is stored, and training runs resume from their checkpoints, so an interrupted script continues.
-The script ends by writing DIR/table.md and DIR/<name>.png.
+The script ends by writing DIR/table.md and DIR/<name>.png, and DIR/evidence.json: the claim, the verdict
+the script computes from its results by the rule it states, the seeds, steps, wall seconds, the machine's
+load average around each unit, and the rows behind the table. A full run (no --quick, default --out) also
+copies it to docs/evidence/<name>.json, which docs/evidence.md quotes.
 """
 
 import argparse
@@ -51,14 +54,69 @@ class Store:
         atomic_write(self.path, json.dumps(self.data, indent=1))
 
     def run(self, key: str, fn):
-        """fn()'s result under `key`, computed once (with its wall time in seconds under 'seconds')."""
+        """fn()'s result under `key`, computed once, with its wall time in seconds under 'seconds' and the
+        1-minute load average before and after under 'load' (a number near the core count or above means
+        something else ran beside it, and its timings are not to be trusted)."""
         if key not in self.data:
+            load_before = os.getloadavg()[0]
             t0 = time.perf_counter()
             value = fn()
             if isinstance(value, dict):
                 value.setdefault("seconds", time.perf_counter() - t0)
+                value.setdefault("load", [round(load_before, 2), round(os.getloadavg()[0], 2)])
             self.put(key, value)
         return self.data[key]
+
+    def totals(self) -> dict:
+        """wall_s (the units' seconds summed) and load_avg (min and max of the load averages recorded)."""
+        units = [v for v in self.data.values() if isinstance(v, dict)]
+        loads = [x for v in units for x in v.get("load", [])]
+        return {
+            "wall_s": round(sum(v.get("seconds", 0.0) for v in units), 1),
+            "load_avg": [min(loads), max(loads)] if loads else None,
+        }
+
+
+VERDICTS = ("reproduced", "not reproduced", "mixed")
+
+
+def write_evidence(name: str, out: Path, args, store: Store, **fields) -> dict:
+    """out/evidence.json (and docs/evidence/<name>.json for a full run into the default folder): `fields`
+    must hold claim, verdict (one of VERDICTS), rule (how the verdict follows from the rows), seeds, steps
+    and rows; wall_s and load_avg come from the store, the CPU and torch version from this process."""
+    import platform
+
+    import torch
+
+    missing = {"claim", "verdict", "rule", "seeds", "steps", "rows"} - set(fields)
+    if missing or fields["verdict"] not in VERDICTS:
+        raise ValueError(f"evidence for {name}: missing {sorted(missing)} or verdict not in {VERDICTS}")
+    record = {"name": name, **fields, **store.totals(), "quick": bool(args.quick)}
+    record["machine"] = {
+        "cpu": _cpu_model() or platform.processor(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    text = json.dumps(record, indent=1) + "\n"
+    atomic_write(out / "evidence.json", text)
+    if not args.quick and args.out is None:
+        docs = Path(__file__).resolve().parent.parent / "docs" / "evidence"
+        docs.mkdir(parents=True, exist_ok=True)
+        atomic_write(docs / f"{name}.json", text)
+        print(f"wrote {docs / f'{name}.json'}")
+    print(f"verdict: {record['verdict']} ({record['rule']})")
+    return record
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
