@@ -91,9 +91,15 @@ def test_bounded_numerics_quick_and_rerun_reuses_results(tmp_path, base):
 def test_attn_res_quick(tmp_path, base):
     r = run_quick("attn_res", tmp_path, base)
     for when in ("init", "trained"):
-        attn, std = r[f"rms/attnres/{when}"]["rms"], r[f"rms/standard/{when}"]["rms"]
+        attn, std = r[f"rms/attnres/{when}/s0"]["rms"], r[f"rms/standard/{when}/s0"]["rms"]
         assert std[-1] / std[0] > 2 * attn[-1] / attn[0]  # the running sum grows with depth; the mixture less
-    assert len(r["train/standard x1.25"]["val"]) >= 1
+    assert r["train/standard x1.25/s0"]["val"][-1][0] == 8  # round(1.25 * 6) steps, evaluated at the end
+    evidence = json.loads((tmp_path / "evidence.json").read_text())
+    assert evidence["verdict"] in ("reproduced", "not reproduced", "mixed")
+    assert evidence["seeds"] == [0] and evidence["steps"] == {"attnres": 6, "standard": 6, "standard x1.25": 8}
+    # the evidence's rows are the stored results, not numbers computed apart from them
+    stored = {(name, 0): r[f"train/{name}/s0"]["val"][-1][1] for name in ("attnres", "standard", "standard x1.25")}
+    assert {(row["name"], row["seed"]): row["val_loss"] for row in evidence["rows"]} == stored
 
 
 def test_hybrid_quick(tmp_path, base):
