@@ -17,6 +17,7 @@ from k3.model import K3Model
 from k3.model.router import Router, RouterOutput
 from k3.train.balance import (
     FixedStepBalancer,
+    LoadMeter,
     QuantileBalancer,
     histogram,
     histogram_quantile,
@@ -204,6 +205,21 @@ def test_fixed_step_moves_each_bias_by_exactly_u():
     step[:2] = torch.tensor([-1e-3, 1e-3], dtype=torch.float64)
     assert torch.equal(routers[0].e_score_correction_bias, step)
     assert torch.equal(routers[1].e_score_correction_bias, -step)
+
+
+def test_load_meter_measures_maxvio_and_leaves_the_bias_alone():
+    """`--balancer none`: MaxVio of the loads summed over the step's micro-batches, as the rules report it,
+    and no bias moves."""
+    bias = torch.linspace(-0.1, 0.1, E, dtype=torch.float64)
+    routers = [identity_router(bias), identity_router()]
+    meter = LoadMeter(routers)
+    loads = [torch.tensor([3, 1] + [2] * (E - 2)), torch.tensor([4] + [2] * (E - 1))]
+    for _ in range(2):
+        meter.observe([RouterOutput(*[torch.empty(0)] * 4, loads_E=loads_E) for loads_E in loads])
+    assert meter.update() == pytest.approx([max_violation(2 * loads[0]), max_violation(2 * loads[1])])
+    assert meter.update() == []  # nothing observed since
+    assert torch.equal(routers[0].e_score_correction_bias, bias)
+    assert (routers[1].e_score_correction_bias == 0).all()
 
 
 def test_state_dict_restores_mid_step_and_is_plain():

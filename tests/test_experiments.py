@@ -74,7 +74,23 @@ def test_quantile_balancing_quick(tmp_path, base):
     step2 = {rule: r[f"synthetic/{rule}/0"]["maxvio"][1] for rule in ("qb", "qb-exact", "fixed", "none", "floor")}
     assert step2["qb"] < step2["fixed"] / 5 and step2["qb-exact"] < step2["fixed"] / 5  # one update balances
     assert step2["floor"] < step2["qb"] < step2["none"]
-    assert all(len(r[f"train/{rule}"]["maxvio"]) == 6 for rule in ("qb", "qb-exact", "fixed"))
+    runs = {rule: r[f"train/{rule}/s0"] for rule in ("qb", "fixed", "none")}  # --balancer none logs MaxVio too
+    assert all(len(run["maxvio"]) == len(run["loss"]) == 6 and run["val_loss"] for run in runs.values())
+    assert "train/qb-exact/s0" not in r  # the exact cutoff is compared on synthetic scores only
+
+    evidence = json.loads((tmp_path / "evidence.json").read_text())
+    assert evidence["seeds"] == [0] and evidence["steps"] == 6 and len(evidence["rows"]) == 3
+    last_half = {rule: sum(run["maxvio"][3:]) / 3 for rule, run in runs.items()}
+    assert {row["rule"]: row["maxvio_first_10"] for row in evidence["rows"]} == pytest.approx(
+        {rule: sum(run["maxvio"]) / 6 for rule, run in runs.items()}
+    )
+    assert {row["rule"]: row["maxvio_last_half"] for row in evidence["rows"]} == pytest.approx(last_half)
+    val = {rule: run["val_loss"][-1] for rule, run in runs.items()}
+    below = last_half["qb"] < min(last_half["fixed"], last_half["none"])
+    no_cost = val["qb"] <= min(val["fixed"], val["none"]) + 0.02
+    not_below_fixed = last_half["qb"] >= last_half["fixed"]
+    expected = "reproduced" if below and no_cost else "not reproduced" if not_below_fixed else "mixed"
+    assert evidence["verdict"] == expected  # one seed: the rule's "for every seed" is this seed
 
 
 def test_bounded_numerics_quick_and_rerun_reuses_results(tmp_path, base):

@@ -181,6 +181,21 @@ def test_quickstart_and_plot(tmp_path, corpus, capsys):
     assert main(["plot", str(tmp_path / "missing")]) == 2
 
 
+def test_balancer_none_logs_maxvio_and_leaves_the_bias_at_zero(tmp_path, corpus):
+    """Without balancing the run still logs MaxVio per MoE layer, so it can be compared with the rules."""
+    from k3.formats.checkpoint import load_checkpoint
+
+    run = tmp_path / "none"
+    assert main(["train", *TRAIN, "--steps", "2", "--balancer", "none", "--data", str(corpus), "--out", str(run)]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    ckpt = load_checkpoint(run)
+    moe_layers = sum(f == "moe" for f in ckpt.config.ffn_types)
+    assert [len(r["maxvio"]) for r in records] == [moe_layers] * 2 and moe_layers > 0
+    assert all(v > 0 for r in records for v in r["maxvio"])  # an untrained router is not perfectly balanced
+    biases = [t for n, t in ckpt.tensors("model.safetensors").items() if n.endswith("e_score_correction_bias")]
+    assert biases and all((b == 0).all() for b in biases)
+
+
 def run_json(run: Path) -> dict:
     return json.loads((run / "run.json").read_text())
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from k3.model.router import Router, RouterOutput
 
-BALANCERS = ("quantile", "fixed", "none")  # `k3 train --balancer`: Quantile Balancing, the fixed step, nothing
+BALANCERS = ("quantile", "fixed", "none")  # `k3 train --balancer`: Quantile Balancing, the fixed step, LoadMeter
 
 
 def moe_routers(model_or_routers: nn.Module | Sequence[Router]) -> list[Router]:
@@ -278,3 +278,14 @@ class FixedStepBalancer(Balancer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.u = float(state.get("u", self.u))
         super().load_state_dict(state)
+
+
+class LoadMeter(Balancer):
+    """No balancing (`k3 train --balancer none`): the bias stays where it is, but MaxVio is still measured
+    from the step's loads, so an unbalanced run logs the same metric as the two rules it is compared with."""
+
+    @torch.no_grad()
+    def update(self) -> list[float]:
+        if self.loads_LE is None:
+            return []
+        return self._end_step(all_reduce_sum(self.loads_LE))

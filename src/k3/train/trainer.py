@@ -36,7 +36,7 @@ from k3.model import K3Model
 from k3.model.quantization import set_expert_quantization
 from k3.ops.compute_dtype import CHOICES as DTYPE_CHOICES
 from k3.ops.compute_dtype import DtypeChoice, resolve_dtype
-from k3.train.balance import BALANCERS, FixedStepBalancer, QuantileBalancer
+from k3.train.balance import BALANCERS, FixedStepBalancer, LoadMeter, QuantileBalancer, moe_routers
 from k3.train.compiled import IdleExperts, compile_training, setup_blocker
 from k3.train.corpus import data_entry, domain_spec, fingerprint, load_corpus
 from k3.train.data import PackedSequences, cached_pack
@@ -296,6 +296,8 @@ class Trainer:
             self.balancer = QuantileBalancer(self.model, num_bins=args.qb_bins, exact_cutoff=args.qb_exact_cutoff)
         elif args.balancer == "fixed":
             self.balancer = FixedStepBalancer(self.model)
+        elif moe_routers(self.model):  # none: the bias is left as it is, MaxVio is still logged to compare
+            self.balancer = LoadMeter(self.model)
         self.step, self.position = 0, 0
         if ckpt is not None:
             self._restore(ckpt)
