@@ -2,6 +2,7 @@
 says where the quick scale can show it, and a rerun reuses the stored results instead of recomputing."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -151,3 +152,23 @@ def test_k3_vs_llama_quick(tmp_path, base):
         assert seconds_1 >= 10 and seconds_4 >= 40 and steps_4 > steps_1  # each measured at its own B and 4B
         assert models[name]["sample"].startswith("def fibonacci(n):\n")
     assert abs(models["Llama"]["active"] / models["K3 small"]["active"] - 1) < 0.1  # equal active parameters
+
+
+def test_qat_quick_and_rerun_reuses_results(tmp_path, base):
+    r = run_quick("qat", tmp_path, base)
+    assert r["warm"]["steps"] == 4 and r["train/fp/s1"]["steps"] == r["train/qat/s1"]["steps"] == 4
+    models = ("fp", "qat", "qat-master", "ptq", "ptq-weights")
+    loss = {m: r[f"eval/{m}/s1"]["val_loss"] for m in models}
+    assert all(math.isfinite(v) for v in loss.values())
+    assert loss["qat"] != loss["qat-master"] and loss["ptq"] != loss["fp"]  # the served models are rounded
+    evidence = json.loads((tmp_path / "evidence.json").read_text())
+    assert evidence["verdict"] in ("reproduced", "not reproduced", "mixed")
+    assert evidence["seeds"] == [1] and evidence["steps"] == {"warm": 4, "fp": 4, "qat": 4}
+    # the evidence's rows are the stored results, not numbers computed apart from them
+    (row,) = evidence["rows"]
+    assert row["seed"] == 1 and row["val_loss"] == loss
+    assert row["qat_vs_ptq"] == pytest.approx(loss["qat"] - loss["ptq"], abs=1e-12)
+    assert row["ptq_cost"] == pytest.approx(loss["ptq"] - loss["fp"], abs=1e-12)
+    assert evidence["ptq_cost"] == [{"seed": 1, "nats": row["ptq_cost"], "costs": row["ptq_cost"] > 0.001}]
+    again = run_quick("qat", tmp_path, base)
+    assert again == r  # stored results (their timings included) were reused, not retrained or rescored
