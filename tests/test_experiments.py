@@ -172,3 +172,25 @@ def test_qat_quick_and_rerun_reuses_results(tmp_path, base):
     assert evidence["ptq_cost"] == [{"seed": 1, "nats": row["ptq_cost"], "costs": row["ptq_cost"] > 0.001}]
     again = run_quick("qat", tmp_path, base)
     assert again == r  # stored results (their timings included) were reused, not retrained or rescored
+
+
+def test_mqar_quick_and_rerun_reuses_results(tmp_path, base):
+
+    r = run_quick("mqar", tmp_path, base)
+    runs = {variant: r[f"{variant}/s0"] for variant in ("hybrid 3:1", "all KDA", "all MLA")}
+    for run in runs.values():
+        assert len(run["loss"]) == 20 and set(run["accuracy"]) == {"4", "16"}
+        assert all(0.0 <= a <= 1.0 for a in run["accuracy"].values())
+    # the variants differ in their MLA layers only, so their sizes are close but not equal
+    assert len({run["params"] for run in runs.values()}) == 3
+    evidence = json.loads((tmp_path / "evidence.json").read_text())
+    assert evidence["seeds"] == [0] and evidence["pairs"] == [4, 16] and evidence["quick"]
+    assert {row["variant"]: row["accuracy"]["16"] for row in evidence["rows"]} == {
+        variant: run["accuracy"]["16"] for variant, run in runs.items()
+    }
+    acc = {variant: run["accuracy"]["16"] for variant, run in runs.items()}
+    gap = 0.10
+    shown = acc["hybrid 3:1"] >= acc["all MLA"] - gap and acc["all KDA"] <= acc["hybrid 3:1"] - gap
+    assert evidence["verdict"] == ("reproduced" if shown else "not reproduced")
+    again = run_quick("mqar", tmp_path, base)
+    assert again == r
