@@ -179,16 +179,16 @@ def test_mqar_quick_and_rerun_reuses_results(tmp_path, base):
     r = run_quick("mqar", tmp_path, base)
     runs = {variant: r[f"{variant}/s0"] for variant in ("hybrid 3:1", "all KDA", "all MLA")}
     for run in runs.values():
-        assert len(run["loss"]) == 20 and set(run["accuracy"]) == {"4", "16"}
+        assert len(run["loss"]) == 20 and set(run["accuracy"]) == {"2", "8"}
         assert all(0.0 <= a <= 1.0 for a in run["accuracy"].values())
     # the variants differ in their MLA layers only, so their sizes are close but not equal
     assert len({run["params"] for run in runs.values()}) == 3
     evidence = json.loads((tmp_path / "evidence.json").read_text())
-    assert evidence["seeds"] == [0] and evidence["pairs"] == [4, 16] and evidence["quick"]
-    assert {row["variant"]: row["accuracy"]["16"] for row in evidence["rows"]} == {
-        variant: run["accuracy"]["16"] for variant, run in runs.items()
+    assert evidence["seeds"] == [0] and evidence["pairs"] == [2, 8] and evidence["quick"]
+    assert {row["variant"]: row["accuracy"]["8"] for row in evidence["rows"]} == {
+        variant: run["accuracy"]["8"] for variant, run in runs.items()
     }
-    acc = {variant: run["accuracy"]["16"] for variant, run in runs.items()}
+    acc = {variant: run["accuracy"]["8"] for variant, run in runs.items()}
     gap = 0.10
     shown = acc["hybrid 3:1"] >= acc["all MLA"] - gap and acc["all KDA"] <= acc["hybrid 3:1"] - gap
     assert evidence["verdict"] == ("reproduced" if shown else "not reproduced")
