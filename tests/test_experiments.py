@@ -131,7 +131,12 @@ def test_hybrid_quick(tmp_path, base):
 def test_nope_extension_quick(tmp_path, base):
     r = run_quick("nope_extension", tmp_path, base)
     for name in ("64 only", "64 then 256"):
-        assert [r[f"eval/{name}/{n}"]["windows"] >= 1 for n in (64, 256, 1024)] == [True] * 3
+        assert [r[f"eval/{name}/s0/{n}"]["windows"] >= 1 for n in (64, 256, 1024)] == [True] * 3
+    evidence = json.loads((tmp_path / "evidence.json").read_text())
+    assert evidence["seeds"] == [0] and evidence["quick"]
+    gain = r["eval/64 only/s0/1024"]["late"] - r["eval/64 then 256/s0/1024"]["late"]
+    assert evidence["gain_at_16L"] == [{"seed": 0, "nats": pytest.approx(gain, abs=1e-12)}]
+    assert evidence["verdict"] == ("reproduced" if gain > 0.01 else "not reproduced")
 
 
 def test_latent_moe_quick(tmp_path, base):
