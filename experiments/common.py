@@ -80,6 +80,12 @@ class Store:
 VERDICTS = ("reproduced", "not reproduced", "mixed")
 
 
+def per_seed_verdict(shown: list[bool]) -> str:
+    """The verdict of a claim checked seed by seed: reproduced if every seed shows it, not reproduced if none
+    does, mixed if the seeds disagree."""
+    return "reproduced" if all(shown) else "not reproduced" if not any(shown) else "mixed"
+
+
 def write_evidence(name: str, out: Path, args, store: Store, **fields) -> dict:
     """out/evidence.json (and docs/evidence/<name>.json for a full run into the default folder): `fields`
     must hold claim, verdict (one of VERDICTS), rule (how the verdict follows from the rows), seeds, steps

@@ -36,7 +36,7 @@ import sys
 import time
 
 import torch
-from common import Store, out_dir, parser, save_figure, write_evidence, write_tables
+from common import Store, out_dir, parser, per_seed_verdict, save_figure, write_evidence, write_tables
 
 from k3.config import K3Config
 from k3.model import K3Model
@@ -220,7 +220,7 @@ def report(out, store, args, seeds, steps, batch, length, sweep, examples) -> No
         acc[("hybrid 3:1", s)] >= acc[("all MLA", s)] - GAP and acc[("all KDA", s)] <= acc[("hybrid 3:1", s)] - GAP
         for s in seeds
     ]
-    verdict = "reproduced" if all(shown) else "not reproduced" if not any(shown) else "mixed"
+    verdict = per_seed_verdict(shown)
     write_evidence(
         NAME,
         out,

@@ -21,7 +21,17 @@ The rows also carry each run's whole-window nats at L and 16L, so "no breakdown 
 import sys
 
 import numpy as np
-from common import Store, base_run, out_dir, parser, save_figure, train, write_evidence, write_tables
+from common import (
+    Store,
+    base_run,
+    out_dir,
+    parser,
+    per_seed_verdict,
+    save_figure,
+    train,
+    write_evidence,
+    write_tables,
+)
 
 from k3.eval_lengths import lm_loss
 from k3.hub import load_pretrained
@@ -139,7 +149,7 @@ def report(out, store, args, runs, seeds, L, steps, batch, windows) -> None:
     late = {(row["training"], row["seed"]): row["late_nats"][16 * L] for row in rows}
     gains = [late[(short, s)] - late[(staged, s)] for s in seeds]
     shown = [gain > MARGIN for gain in gains]
-    verdict = "reproduced" if all(shown) else "not reproduced" if not any(shown) else "mixed"
+    verdict = per_seed_verdict(shown)
     write_evidence(
         NAME,
         out,
