@@ -137,6 +137,10 @@ def test_nope_extension_quick(tmp_path, base):
     gain = r["eval/64 only/s0/1024"]["late"] - r["eval/64 then 256/s0/1024"]["late"]
     assert evidence["gain_at_16L"] == [{"seed": 0, "nats": pytest.approx(gain, abs=1e-12)}]
     assert evidence["verdict"] == ("reproduced" if gain > 0.01 else "not reproduced")
+    assert evidence["no_breakdown"] == [
+        {"training": name, "seed": 0, "holds": r[f"eval/{name}/s0/1024"]["late"] <= r[f"eval/{name}/s0/64"]["late"]}
+        for name in ("64 only", "64 then 256")
+    ]
 
 
 def test_latent_moe_quick(tmp_path, base):
