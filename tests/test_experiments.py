@@ -155,12 +155,18 @@ def test_latent_moe_quick(tmp_path, base):
 def test_k3_vs_llama_quick(tmp_path, base):
     pytest.importorskip("transformers")
     r = run_quick("k3_vs_llama", tmp_path, base)
-    models = r["race/10"]["models"]
+    models = r["race/10/on/s0"]["models"]
     for name in ("K3 small", "Llama"):
         (steps_1, seconds_1, _), (steps_4, seconds_4, _) = models[name]["val"]
         assert seconds_1 >= 10 and seconds_4 >= 40 and steps_4 > steps_1  # each measured at its own B and 4B
+        assert models[name]["first_step_s"] > 0  # the compiling step, off the clock
         assert models[name]["sample"].startswith("def fibonacci(n):\n")
     assert abs(models["Llama"]["active"] / models["K3 small"]["active"] - 1) < 0.1  # equal active parameters
+    evidence = json.loads((tmp_path / "evidence.json").read_text())
+    (row,) = evidence["rows"]
+    gap = models["K3 small"]["val"][-1][2] - models["Llama"]["val"][-1][2]
+    assert row["seed"] == 0 and row["k3_minus_llama"][-1] == pytest.approx(gap, abs=1e-12)
+    assert evidence["verdict"] == ("reproduced" if gap <= 0 else "not reproduced")
 
 
 def test_qat_quick_and_rerun_reuses_results(tmp_path, base):
@@ -203,3 +209,20 @@ def test_mqar_quick_and_rerun_reuses_results(tmp_path, base):
     assert evidence["verdict"] == ("reproduced" if shown else "not reproduced")
     again = run_quick("mqar", tmp_path, base)
     assert again == r
+
+
+def test_distillation_quick(tmp_path, base):
+    r = run_quick("distillation", tmp_path, base)
+    domains = ("reasoning-low", "reasoning-high")
+    assert set(r) >= {"base", "teacher/reasoning-low", "teacher/reasoning-high", "student/s0"}
+    assert len(r["student/s0"]["loss"]) == 3  # S = 3 distillation steps, each with a finite reverse KL
+    assert all(math.isfinite(x) and x >= 0 for x in r["student/s0"]["loss"])
+    for step in (1, 2, 3):  # the student at S/3, 2S/3 and S
+        assert set(r[f"eval/student-s0@{step}"]["loss"]) == set(domains)
+    evidence = json.loads((tmp_path / "evidence.json").read_text())
+    (row,) = evidence["rows"]
+    for d in domains:  # the evidence's shares are the stored losses', not numbers computed apart from them
+        base_loss, teacher, student = (r[f"eval/{m}"]["loss"][d] for m in ("base", f"teacher-{d}", "student-s0@3"))
+        assert teacher != base_loss  # the specialist was trained
+        assert row["gap_closed"][d] == pytest.approx((base_loss - student) / (base_loss - teacher), abs=1e-12)
+    assert evidence["verdict"] == ("reproduced" if min(row["gap_closed"].values()) >= 0.5 else "not reproduced")
