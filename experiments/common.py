@@ -199,9 +199,7 @@ def init_checkpoint(out: Path, config, base: Path, seed: int = 0) -> Path:
 def train(out: Path, flags: list[str], base: Path, init: Path | None = None) -> list[dict]:
     """`k3 train --out out *flags` on base's tokenizer and tokens (from the weights of `init` when given),
     resumed if it was interrupted; returns its metrics.jsonl records (a finished run trains nothing again)."""
-    from k3.cli import main
     from k3.formats.checkpoint import step_dirs
-    from k3.formats.files import latest_timeline, read_jsonl
 
     if not (out / "tokenizer.json").exists():
         out.mkdir(parents=True, exist_ok=True)
@@ -218,10 +216,18 @@ def train(out: Path, flags: list[str], base: Path, init: Path | None = None) -> 
     source += same_data(base)
     if "--ckpt-every" not in flags:  # an interrupted experiment resumes from at most 10 steps back
         source += ["--ckpt-every", "10"]
-    argv = ["train", *flags, *source, "--out", str(out), "--override", "--no-progress", *resume]
-    print(f"k3 {' '.join(argv)}  (log: {out / 'train.log'})", flush=True)
-    with open(out / "train.log", "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+    return run_k3(out, ["train", *flags, *source, "--out", str(out), "--override", "--no-progress", *resume])
+
+
+def run_k3(out: Path, argv: list[str], log_name: str = "train.log") -> list[dict]:
+    """`k3 *argv` in this process, its output appended to out/log_name; the metrics.jsonl records of the run
+    folder `out` it wrote. A failure stops the experiment with the command and where its log is."""
+    from k3.cli import main
+    from k3.formats.files import latest_timeline, read_jsonl
+
+    print(f"k3 {' '.join(argv)}  (log: {out / log_name})", flush=True)
+    with open(out / log_name, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         code = main(argv)
     if code != 0:
-        raise SystemExit(f"k3 train {' '.join(flags)} --out {out} failed with status {code}")
+        raise SystemExit(f"k3 {' '.join(argv)} failed with status {code}; see {out / log_name}")
     return latest_timeline(read_jsonl(out / "metrics.jsonl"))

@@ -25,12 +25,22 @@ specialist on every specialist's own domain: (base - student) / (base - speciali
     python experiments/distillation.py --quick    # tiny: the two reasoning domains, W = T = S = 3
 """
 
-import contextlib
 import sys
 from pathlib import Path
 
 import numpy as np
-from common import Store, base_run, out_dir, parser, per_seed_verdict, save_figure, train, write_evidence, write_tables
+from common import (
+    Store,
+    base_run,
+    out_dir,
+    parser,
+    per_seed_verdict,
+    run_k3,
+    save_figure,
+    train,
+    write_evidence,
+    write_tables,
+)
 
 from k3.formats.checkpoint import step_dirs
 from k3.formats.files import latest_timeline, read_jsonl
@@ -46,21 +56,13 @@ SHARE = 0.5  # the share of the base-to-specialist gap the student must close on
 
 
 def k3(out: Path, argv: list[str], steps: int) -> list[dict]:
-    """`k3 *argv --out out` (a training or distillation run), resumed if interrupted, skipped if finished;
-    its metrics.jsonl records."""
-    from k3.cli import main
-
-    done = any(d.name == f"step_{steps:08d}" for d in step_dirs(out)) if out.exists() else False
-    if not done:
-        resume = ["--resume"] if out.exists() and step_dirs(out) else []
-        full = [*argv, "--out", str(out), "--no-progress", *resume]
-        out.mkdir(parents=True, exist_ok=True)
-        print(f"k3 {' '.join(full)}  (log: {out / 'run.log'})", flush=True)
-        with open(out / "run.log", "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            code = main(full)
-        if code != 0:
-            raise SystemExit(f"k3 {' '.join(full)} failed with status {code}; see {out / 'run.log'}")
-    return latest_timeline(read_jsonl(out / "metrics.jsonl"))
+    """`k3 *argv --out out` (a training or distillation run), resumed if interrupted, not rerun once its
+    step `steps` is saved; its metrics.jsonl records."""
+    if out.exists() and any(d.name == f"step_{steps:08d}" for d in step_dirs(out)):
+        return latest_timeline(read_jsonl(out / "metrics.jsonl"))
+    resume = ["--resume"] if out.exists() and step_dirs(out) else []
+    out.mkdir(parents=True, exist_ok=True)
+    return run_k3(out, [*argv, "--out", str(out), "--no-progress", *resume], "run.log")
 
 
 def domain_losses(path: Path, held_out: dict[str, list[int]]) -> dict:

@@ -145,8 +145,12 @@ def test_nope_extension_quick(tmp_path, base):
 
 def test_latent_moe_quick(tmp_path, base):
     r = run_quick("latent_moe", tmp_path, base)
-    latent, full = r["train/LatentMoE"], r["train/full-width MoE"]
+    latent, full = r["train/LatentMoE/s0"], r["train/full-width MoE/s0"]
     assert len(latent["val"]) == len(full["val"]) == 4
+    evidence = json.loads((tmp_path / "evidence.json").read_text())
+    (row,) = evidence["rows"]
+    assert row["latent_minus_full"] == pytest.approx(latent["val"][-1][1] - full["val"][-1][1], abs=1e-12)
+    assert evidence["verdict"] == ("reproduced" if row["latent_minus_full"] <= 0.02 else "not reproduced")
     table = (tmp_path / "table.md").read_text()
     assert "| k3 | LatentMoE | 3584 | 3072 | 33,030,144 |" in table
     assert "| 229,376 |" in table and "| 458,752 |" in table  # full width: twice the all-to-all bytes
