@@ -52,6 +52,7 @@ CLAIM = (
 )
 DOMAINS = ("code", "docs", "reasoning-low", "reasoning-high")
 QUICK_DOMAINS = ("reasoning-low", "reasoning-high")  # synthetic: no pass over the standard library's files
+PROMPTS = {False: 8, True: 4}  # the student's prompts per step (--quick: True)
 SHARE = 0.5  # the share of the base-to-specialist gap the student must close on every domain
 
 
@@ -113,7 +114,7 @@ def main() -> None:
     teachers = [x for d in domains for x in ("--teacher", f"{d}={out / f'teacher-{d}'}")]
     for seed in seeds:
         argv = ["distill", "--student", str(base), *teachers, "--steps", str(S), "--seed", str(seed)]
-        argv += ["--batch-size", "4" if quick else "8", "--max-new-tokens", "8" if quick else "32"]
+        argv += ["--batch-size", str(PROMPTS[quick]), "--max-new-tokens", "8" if quick else "32"]
         argv += ["--lr", "1e-3", "--warmup", str(min(5, S)), "--ckpt-every", str(checkpoints[0]), "--keep-last", "0"]
 
         def student(seed=seed, argv=argv) -> dict:
@@ -209,7 +210,7 @@ def report(out, args, store, seeds, domains, W, T, S, E, checkpoints) -> None:
                 share_rows,
             ),
         ],
-        notes=f"base: {W} steps; teachers: {T} steps each; students: {S} steps of 8 prompts.",
+        notes=f"base: {W} steps; teachers: {T} steps each; students: {S} steps of {PROMPTS[args.quick]} prompts.",
     )
     write_evidence(
         NAME,
