@@ -151,7 +151,9 @@ def _held_out(base: Path, domains, max_tokens: int) -> dict[str, list[int]]:
 def report(out, args, store, seeds, domains, W, T, S, E, checkpoints) -> None:
     import matplotlib.pyplot as plt
 
-    loss = lambda name: store.get(f"eval/{name}")["loss"]  # noqa: E731
+    def loss(name: str) -> dict[str, float]:  # a model's nats/token per domain
+        return store.get(f"eval/{name}")["loss"]
+
     base = loss("base")
     names = ["base", *[f"teacher-{d}" for d in domains], *[f"student-s{s}@{S}" for s in seeds]]
     loss_rows = []

@@ -137,9 +137,8 @@ def report(out, args, store, seeds, steps, batch, seq_len, vocab: int) -> None:
     train_rows, evidence_rows, shown = [], [], []
     configs = variants("small", vocab)
     for seed in seeds:
-        final = {}
-        for color, name in zip(("C0", "C1"), configs, strict=True):
-            r = store.get(f"train/{name}/s{seed}")
+        runs = {name: store.get(f"train/{name}/s{seed}") for name in configs}
+        for color, (name, r) in zip(("C0", "C1"), runs.items(), strict=True):
             s, v = zip(*r["val"], strict=True)
             label = name if seed == seeds[0] else None
             ax.plot(s, v, "o-" if seed == seeds[0] else "s--", ms=3, color=color, label=label)
@@ -147,16 +146,13 @@ def report(out, args, store, seeds, steps, batch, seq_len, vocab: int) -> None:
             train_rows.append(
                 [seed, name, f"{active / 1e6:.2f}M", f"{v[-1]:.4f}", f"{r['step_s']:.2f}", f"{r['seconds']:.0f}"]
             )
-            final[name] = v[-1]
-        gap = final["LatentMoE"] - final["full-width MoE"]
+        gap = runs["LatentMoE"]["val"][-1][1] - runs["full-width MoE"]["val"][-1][1]
         shown.append(gap <= MARGIN)
         evidence_rows.append(
             {
                 "seed": seed,
-                "val": {name: store.get(f"train/{name}/s{seed}")["val"] for name in configs},
-                "step_s": {name: store.get(f"train/{name}/s{seed}")["step_s"] for name in configs},
+                **{field: {name: r[field] for name, r in runs.items()} for field in ("val", "step_s", "load")},
                 "latent_minus_full": gap,
-                "load": {name: store.get(f"train/{name}/s{seed}")["load"] for name in configs},
             }
         )
     ax.set(
